@@ -1,0 +1,156 @@
+"""gdn(): argument checks, the custom_vjp rules over the primitives, save modes, residual names."""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+from . import primitives
+from .checks import check_gdn_inputs
+from .chunks import ChunkTable, chunk_table
+from .primitives import Primitives
+
+__all__ = ["gdn", "saved_layout", "saved_bytes"]
+
+
+class _Config(NamedTuple):
+    prims: Primitives
+    scale: float
+    qk_l2norm: bool
+    save_mode: str
+
+
+def _name(res: dict) -> dict:
+    """Tag every residual array with a checkpoint name `gdn_<key>` for remat policies."""
+    return {n: (None if x is None else checkpoint_name(x, f"gdn_{n}")) for n, x in res.items()}
+
+
+def _forward(cfg: _Config, q, k, v, g, beta, h0, ct: ChunkTable):
+    """Packed forward: q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV]; h0 [N, HV, K, V]."""
+    P = cfg.prims
+    rq = P.l2norm_rstd(q) if cfg.qk_l2norm else None
+    rk = P.l2norm_rstd(k) if cfg.qk_l2norm else None
+    G = P.gate_cumsum(g, ct)
+    A = P.solve_a(k, beta, G, rk, ct)
+    w, u = P.wy(k, v, beta, G, A, rk, ct)
+    h, v_new, final = P.state_walk(k, w, u, G, h0, rk, ct)
+    full = cfg.save_mode == "full"
+    o, scores = P.output(q, k, G, h, v_new, rq, rk, ct, scale=cfg.scale, out_dtype=v.dtype,
+                         with_scores=full)
+    res = dict(q=q, k=k, v=v, beta=beta, h0=h0, G=G, A=A, rstd_q=rq, rstd_k=rk)
+    if full:
+        res.update(w=w, u=u, h=h, v_new=v_new, scores=scores)
+    return (o, final), (_name(res), ct)
+
+
+def _backward(cfg: _Config, residuals, cts):
+    res, ct = residuals
+    do, dfinal = jnp.asarray(cts[0]), jnp.asarray(cts[1])
+    P = cfg.prims
+    q, k, v, beta, G, A = res["q"], res["k"], res["v"], res["beta"], res["G"], res["A"]
+    rq, rk = res["rstd_q"], res["rstd_k"]
+    if cfg.save_mode == "full":
+        w, u, h, v_new, scores = res["w"], res["u"], res["h"], res["v_new"], res["scores"]
+    else:  # light: replay w, u and the state walk
+        w, u = P.wy(k, v, beta, G, A, rk, ct)
+        h, v_new, _ = P.state_walk(k, w, u, G, res["h0"], rk, ct)
+        scores = None
+    dS_end, dh0 = P.walk_bwd(q, k, w, G, do, dfinal, scores, rq, rk, ct, scale=cfg.scale)
+    dq, dk, dv, dg, dbeta = P.chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do,
+                                        rq, rk, ct, scale=cfg.scale)
+    return dq, dk, dv, dg, dbeta, dh0, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gdn_packed(cfg, q, k, v, g, beta, h0, ct):
+    return _forward(cfg, q, k, v, g, beta, h0, ct)[0]
+
+
+_gdn_packed.defvjp(_forward, _backward)
+
+
+def _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state, save_mode, backend):
+    d = check_gdn_inputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
+                         initial_state=initial_state, save_mode=save_mode)
+    cfg = _Config(primitives.resolve(backend), float(d.K**-0.5 if scale is None else scale),
+                  bool(qk_l2norm), save_mode)
+    if cu_seqlens is None:
+        bounds = np.arange(d.B + 1, dtype=np.int32) * d.T
+    else:
+        bounds = cu_seqlens
+    if initial_state is None:
+        h0 = jax.ShapeDtypeStruct((d.N, d.HV, d.K, d.V), jnp.float32)
+    else:
+        h0 = initial_state
+    return d, cfg, (q, k, v, g, beta, h0, bounds)
+
+
+def _packed_args(d, q, k, v, g, beta, h0, bounds):
+    """Flatten B into the token axis and build the chunk table (traceable)."""
+    pack = lambda x: jnp.asarray(x).reshape((d.B * d.T,) + x.shape[2:])
+    h0 = jnp.zeros(h0.shape, h0.dtype) if isinstance(h0, jax.ShapeDtypeStruct) else jnp.asarray(h0)
+    return pack(q), pack(k), pack(v), pack(g), pack(beta), h0, chunk_table(bounds, d.B * d.T)
+
+
+def gdn(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False, initial_state=None,
+        output_final_state=False, save_mode="light", deterministic=False, backend=None):
+    """Gated DeltaNet, chunked (C = 64), differentiable in every input.
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;  o_t = scale * S_t^T q_t.
+
+    Args:
+      q, k: [B, T, H, K] bfloat16 or float32.  v: [B, T, HV, V], same dtype (HV % H == 0).
+      g: [B, T, HV] float32 log decay (<= 0).  beta: [B, T, HV] float32 in (0, 1).
+      cu_seqlens: optional int32 [N + 1] document bounds over T (then B == 1); may be traced, so a
+        jitted step does not retrace when boundaries change (repeat the last entry for empty
+        documents up to a fixed capacity). Documents never exchange state.
+      scale: output scale, default K ** -0.5.
+      qk_l2norm: L2-normalise q and k per head row inside the op (x / sqrt(sum x^2 + 1e-6)).
+      initial_state: optional float32 [N or B, HV, K, V] entry state per document.
+      output_final_state: also return the exit state per document, float32 [N or B, HV, K, V].
+      save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays the state
+        walk in the backward; "full" also keeps w, u, the h tape, v_new and the intra-chunk scores.
+        Both give bitwise-equal gradients.
+      deterministic: ask for bitwise-reproducible gradients. Every primitive available today (xla,
+        and the cuda gate cumsum) is deterministic, so both values behave the same.
+      backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
+        "cuda". Under "cuda" only the primitives in `primitives.CUDA_KERNELS` are CUDA kernels
+        today; the others run the xla implementation.
+
+    Returns:
+      o [B, T, HV, V] in v's dtype, or (o, final_state) when output_final_state.
+    """
+    del deterministic  # every primitive available today is deterministic
+    d, cfg, args = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
+                          save_mode, backend)
+    o, final = _gdn_packed(cfg, *_packed_args(d, *args))
+    o = o.reshape(d.B, d.T, d.HV, d.V)
+    return (o, final) if output_final_state else o
+
+
+def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False,
+                 initial_state=None, save_mode="light", backend=None, **_ignored):
+    """Residuals `gdn` keeps for the backward: {name: (shape, dtype, bytes)}.
+
+    Takes the arguments of `gdn` (arrays or jax.ShapeDtypeStruct); computes nothing on device.
+    Names match the checkpoint names (`gdn_<name>`); `ct.*` is the chunk table.
+    """
+    d, cfg, args = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
+                          save_mode, backend)
+    res, ct = jax.eval_shape(lambda *a: _forward(cfg, *_packed_args(d, *a))[1], *args)
+    out = {}
+    for name, x in list(res.items()) + [(f"ct.{f}", x) for f, x in ct._asdict().items()]:
+        if x is not None:
+            out[name] = (tuple(x.shape), jnp.dtype(x.dtype), int(np.prod(x.shape)) *
+                         jnp.dtype(x.dtype).itemsize)
+    return out
+
+
+def saved_bytes(*args, **kwargs) -> int:
+    """Total bytes of `saved_layout(...)`."""
+    return sum(b for _, _, b in saved_layout(*args, **kwargs).values())
