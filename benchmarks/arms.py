@@ -1,0 +1,165 @@
+"""Arms: the things the runner times, behind one framework-agnostic interface.
+
+An `Arm` is a name, a `setup(workload, op, inputs)` that returns a zero-argument callable doing
+one call of `op`, and a `sync(result)` that blocks until the device has finished that call
+(`jax.block_until_ready` for JAX arms, `torch.cuda.synchronize()` for torch arms). The runner
+times `perf_counter()` around `call(); sync(result)`. `setup` may compile and run the op; it
+raises `ArmUnavailable` (or any exception) when the arm cannot run here, and the runner skips
+the arm with the reason. `to_numpy(result)` (optional) gives the outputs as float32 numpy arrays
+for the cross-arm check, in a fixed order:
+
+    fwd                 [o]
+    fwd+bwd, ckpt       [loss, d<inputs...>]   inputs: q, k, v, g, beta (layer: x, conv_w, g, beta)
+
+`inputs` are the host numpy arrays of `Workload.make_inputs` (bf16 values held as float32).
+
+Adding an arm (e.g. the torch peers FlashQLA and FLA): write a factory `spec_options -> Arm`
+and add it to `FACTORIES`; set `framework="torch"` so the runner stops JAX from preallocating
+the GPU before it imports JAX. Arm specs on the command line are `name[:opt[:opt...]]`, e.g.
+`xla`, `cuda:full`, `cuda:full:det`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional
+
+
+class ArmUnavailable(RuntimeError):
+    """The arm cannot run on this machine (the message says why)."""
+
+
+@dataclasses.dataclass
+class Arm:
+    name: str
+    setup: Callable[[Any, str, Dict[str, Any]], Callable[[], Any]]
+    sync: Callable[[Any], None]
+    to_numpy: Optional[Callable[[Any], List[Any]]] = None
+    framework: str = "jax"
+    options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX arms: jax_cake_gdn.gdn with backend "xla" or "cuda"
+# ------------------------------------------------------------------------------------------------
+
+_JAX_INPUT_CACHE: Dict[int, Dict[str, Any]] = {}
+
+
+def _jax_inputs(wl, inputs):
+    """Device copies of the host inputs, shared by every JAX arm (one copy per inputs dict)."""
+    import jax.numpy as jnp
+
+    key = id(inputs)
+    if key not in _JAX_INPUT_CACHE:
+        _JAX_INPUT_CACHE.clear()
+        act = jnp.bfloat16 if wl.dtype == "bf16" else jnp.float32
+        dev = {}
+        for n, a in inputs.items():
+            if n == "cu_seqlens":
+                dev[n] = jnp.asarray(a, jnp.int32)
+            elif n in ("g", "beta"):
+                dev[n] = jnp.asarray(a, jnp.float32)
+            else:
+                dev[n] = jnp.asarray(a).astype(act)
+        _JAX_INPUT_CACHE[key] = dev
+    return _JAX_INPUT_CACHE[key]
+
+
+def build_jax_op(wl, op, *, backend, save_mode="light", deterministic=False):
+    """A jitted function `f(args, do, cu_seqlens)` for `op` and the names of `args`.
+
+    fwd returns o; fwd+bwd returns (loss, grads) of loss = sum(o * do) (value_and_grad, so o is
+    computed as in training); ckpt is the same around `jax.checkpoint(layer)` (2 x fwd + bwd).
+    """
+    import jax
+    import jax.numpy as jnp
+    import jax_cake_gdn as jcg
+
+    HK, HVV = wl.H * wl.K, wl.HV * wl.V
+    kw = dict(qk_l2norm=wl.qk_l2norm, save_mode=save_mode, deterministic=deterministic,
+              backend=backend)
+
+    if wl.layer:
+        names = ("x", "conv_w", "g", "beta")
+
+        def layer(x, w, g, beta, cu):
+            y = jcg.short_conv(x, w, cu_seqlens=cu, activation="silu", backend=backend)
+            B, T = y.shape[:2]
+            q = y[..., :HK].reshape(B, T, wl.H, wl.K)
+            k = y[..., HK:2 * HK].reshape(B, T, wl.H, wl.K)
+            v = y[..., 2 * HK:].reshape(B, T, wl.HV, wl.V)
+            return jcg.gdn(q, k, v, g, beta, cu_seqlens=cu, **kw)
+    else:
+        names = ("q", "k", "v", "g", "beta")
+
+        def layer(q, k, v, g, beta, cu):
+            return jcg.gdn(q, k, v, g, beta, cu_seqlens=cu, **kw)
+
+    if op == "fwd":
+        fn = jax.jit(lambda args, do, cu: layer(*args, cu))
+    elif op in ("fwd+bwd", "ckpt"):
+        body = jax.checkpoint(layer) if op == "ckpt" else layer
+
+        def loss(args, do, cu):
+            o = body(*args, cu)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+        fn = jax.jit(jax.value_and_grad(loss))
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return fn, names
+
+
+def _jax_to_numpy(res):
+    import jax
+    import numpy as np
+
+    return [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(res)]
+
+
+def _jax_sync(res):
+    import jax
+
+    jax.block_until_ready(res)
+
+
+def jax_arm(backend: str, opts: List[str]) -> Arm:
+    save_mode, det = "light", False
+    for o in opts:
+        if o in ("light", "full"):
+            save_mode = o
+        elif o in ("det", "deterministic"):
+            det = True
+        else:
+            raise ValueError(f"arm {backend}: unknown option {o!r} (light, full, det)")
+    name = ":".join([backend] + opts)
+
+    def setup(wl, op, inputs):
+        dev = _jax_inputs(wl, inputs)
+        fn, names = build_jax_op(wl, op, backend=backend, save_mode=save_mode, deterministic=det)
+        args = tuple(dev[n] for n in names)
+        do, cu = dev["do"], dev["cu_seqlens"]
+        call = lambda: fn(args, do, cu)
+        try:
+            _jax_sync(call())  # compile now; backend="cuda" raises here where it cannot run
+        except Exception as e:  # noqa: BLE001 - any failure to build means "skip, with reason"
+            raise ArmUnavailable(f"{type(e).__name__}: {e}") from e
+        return call
+
+    return Arm(name=name, setup=setup, sync=_jax_sync, to_numpy=_jax_to_numpy, framework="jax",
+               options={"backend": backend, "save_mode": save_mode, "deterministic": det})
+
+
+FACTORIES: Dict[str, Callable[[List[str]], Arm]] = {
+    "xla": lambda opts: jax_arm("xla", opts),
+    "cuda": lambda opts: jax_arm("cuda", opts),
+    # Later: "flashqla", "fla" (torch, same process; framework="torch").
+}
+
+
+def make_arm(spec: str) -> Arm:
+    name, *opts = spec.split(":")
+    if name not in FACTORIES:
+        raise ValueError(f"unknown arm {name!r}; known: {', '.join(sorted(FACTORIES))}")
+    return FACTORIES[name](opts)

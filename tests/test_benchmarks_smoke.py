@@ -1,0 +1,76 @@
+"""Smoke tests of the benchmark runner and the demo on CPU. Never asserts timings."""
+
+import json
+
+import pytest
+
+import jax_cake_gdn
+
+from benchmarks import run, workloads
+
+needs_api = pytest.mark.skipif(not hasattr(jax_cake_gdn, "gdn"), reason="jax_cake_gdn.gdn not available")
+
+
+def test_floor_matches_design():
+    # DESIGN.md section 5: FLOP floor 0.35 / 1.35 ms (B23), 0.70 / 2.7 (long), 0.09 / 0.34 (small heads).
+    for name, fwd, fb in (("B23", 0.35, 1.35), ("long", 0.70, 2.7), ("small_heads", 0.09, 0.34)):
+        w = workloads.get(name)
+        assert w.floor("fwd")["ms"] == pytest.approx(fwd, rel=0.05)
+        assert w.floor("fwd+bwd")["ms"] == pytest.approx(fb, rel=0.05)
+    assert workloads.get("small_heads").T == 65536
+    assert workloads.get("B23").T == 32768
+
+
+def test_inputs_are_valid():
+    w = workloads.get("tiny")
+    x = w.make_inputs(0)
+    assert x["q"].shape == (1, w.T, w.H, w.K) and x["v"].shape == (1, w.T, w.HV, w.V)
+    assert (x["g"] <= 0).all() and ((x["beta"] > 0) & (x["beta"] < 1)).all()
+    assert x["q"].std() > 0.5 and list(x["cu_seqlens"]) == [0, 150, 247, 300]
+    xl = workloads.get("tiny-layer").make_inputs(0)
+    assert xl["x"].shape == (1, w.T, w.conv_channels) and xl["conv_w"].shape == (w.conv_channels, 4)
+
+
+@needs_api
+@pytest.mark.parametrize("name,ops,arms", [("tiny", ["fwd", "fwd+bwd", "ckpt"], ["xla", "cuda"]),
+                                           ("tiny-layer", ["fwd+bwd"], ["xla", "xla:full"])])
+def test_runner_end_to_end(tmp_path, name, ops, arms):
+    # cuda: runs on a GPU build, else is reported under "skipped" with the reason.
+    res = run.main(["--workload", name, "--ops", ",".join(ops), "--arms", ",".join(arms),
+                    "--groups", "1", "--calls", "2", "--warmup", "1", "--out", str(tmp_path),
+                    "--tag", "smoke"])
+    path = tmp_path / f"{name}_smoke.json"
+    data = json.loads(path.read_text())
+    for key in ("schema", "workload", "device", "versions", "config", "floor", "results", "skipped"):
+        assert key in data
+    assert data["versions"]["jax"] and data["device"]["platform"]
+    got = {(r["arm"], r["op"]) for r in data["results"]}
+    for op in ops:
+        assert ("xla", op) in got
+        for arm in arms:
+            assert (arm, op) in got or (arm == "cuda" and any(
+                s["arm"] == "cuda" and s["op"] == op for s in data["skipped"]))
+    for r in data["results"]:
+        assert len(r["times_ms"]) == 1 and len(r["times_ms"][0]) == 2
+        for k in ("median_ms", "drift", "speedup_vs_baseline", "floor_fraction", "group_medians_ms"):
+            assert k in r
+        if r["arm"] == "xla:full":  # full and light give equal results (DESIGN.md: bitwise)
+            assert r["check"]["max_rel_rms"] == 0.0
+    assert res["path"] == str(path)
+
+
+@needs_api
+def test_demo_runs(capsys):
+    from jax_cake_gdn import demo
+
+    rc = demo.main(["--tokens", "200", "--docs", "3", "--heads", "1,2", "--head-dim", "32",
+                    "--d-model", "32", "--steps", "2", "--dtype", "f32"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "OK" in out and "compiled 1 time" in out and "tokens/s" in out
+
+
+def test_demo_cp_not_yet():
+    from jax_cake_gdn import demo
+
+    assert demo.main(["--cp", "2"]) == 2
