@@ -1,0 +1,48 @@
+"""Shared test setup: 8 host devices for the context-parallel tests, and input makers."""
+
+import os
+import zlib
+
+# Must precede the first jax import anywhere in the test session.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def rel_rms(x, ref):
+    """||x - ref|| / ||ref|| in float64."""
+    x = np.asarray(np.asarray(x, np.float32), np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def make_inputs(rng, *, B=1, T=200, H=2, HV=4, K=32, V=32, dtype=jnp.float32, qk_l2norm=False,
+                num_states=None):
+    """Fresh random GDN inputs: g = log-sigmoid (<= 0), beta in (0, 1). Without the in-op L2 norm,
+    q and k are scaled by K^-0.5 so the recurrence stays bounded."""
+    s = 1.0 if qk_l2norm else K**-0.5
+    q = jnp.asarray(rng.standard_normal((B, T, H, K)) * s, dtype)
+    k = jnp.asarray(rng.standard_normal((B, T, H, K)) * s, dtype)
+    v = jnp.asarray(rng.standard_normal((B, T, HV, V)), dtype)
+    g = jnp.asarray(-np.logaddexp(0.0, -(rng.standard_normal((B, T, HV)) + 2.0)), jnp.float32)
+    beta = jnp.asarray(1.0 / (1.0 + np.exp(-rng.standard_normal((B, T, HV)))), jnp.float32)
+    h0 = None
+    if num_states is not None:
+        h0 = jnp.asarray(rng.standard_normal((num_states, HV, K, V)) * 0.1, jnp.float32)
+    return q, k, v, g, beta, h0
+
+
+def uneven_cu_seqlens(rng, T, n_docs=4):
+    """Document bounds over T with a length-1 document, lengths not multiples of 64."""
+    cuts = np.sort(rng.choice(np.arange(2, T - 1), size=n_docs - 2, replace=False))
+    return np.concatenate([[0, 1], cuts, [T]]).astype(np.int32)
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test (seeded from the test id, so a failure reproduces)."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
