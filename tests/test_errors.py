@@ -1,0 +1,83 @@
+"""Every bad input of DESIGN.md section 4 that applies to one device gets a clear error."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_inputs
+
+import jax_cake_gdn as J
+
+
+@pytest.fixture
+def args(rng):
+    q, k, v, g, beta, _ = make_inputs(rng, T=64, H=2, HV=4, K=16, V=16)
+    return dict(q=q, k=k, v=v, g=g, beta=beta)
+
+
+def call(a, **kw):
+    return J.gdn(a["q"], a["k"], a["v"], a["g"], a["beta"], backend="xla", **kw)
+
+
+CASES = [
+    # (what to change, kwargs, error type, text the message must contain)
+    (dict(q=lambda a: a["q"][0]), {}, ValueError, "q must have rank 4"),
+    (dict(v=lambda a: a["v"][..., 0]), {}, ValueError, "v must have rank 4"),
+    (dict(g=lambda a: a["g"][0]), {}, ValueError, "g must have rank 3"),
+    (dict(k=lambda a: a["k"][:, :, :1]), {}, ValueError, "k must have the shape of q"),
+    (dict(beta=lambda a: a["beta"][:, :, :3]), {}, ValueError, "beta must have shape"),
+    (dict(v=lambda a: jnp.concatenate([a["v"], a["v"][:, :, :1]], 2),
+          g=lambda a: jnp.concatenate([a["g"], a["g"][:, :, :1]], 2),
+          beta=lambda a: jnp.concatenate([a["beta"], a["beta"][:, :, :1]], 2)),
+     {}, ValueError, "multiple of q/k heads"),
+    (dict(q=lambda a: a["q"].astype(jnp.float16)), {}, TypeError, "q must be bfloat16 or float32"),
+    (dict(v=lambda a: a["v"].astype(jnp.bfloat16)), {}, TypeError, "q, k, v must share a dtype"),
+    (dict(g=lambda a: a["g"].astype(jnp.bfloat16)), {}, TypeError, "g must be float32"),
+    (dict(beta=lambda a: a["beta"].astype(jnp.bfloat16)), {}, TypeError, "beta must be float32"),
+    (dict(q=lambda a: np.asarray(a["q"]).tolist()), {}, TypeError, "q must be an array"),
+    ({}, dict(cu_seqlens=np.array([1, 30, 64], np.int32)), ValueError, "must start at 0"),
+    ({}, dict(cu_seqlens=np.array([0, 40, 30, 64], np.int32)), ValueError, "non-decreasing"),
+    ({}, dict(cu_seqlens=np.array([0, 30, 63], np.int32)), ValueError, "must equal the token"),
+    ({}, dict(cu_seqlens=np.array([0, 30, 64], np.float32)), TypeError, "cu_seqlens must be an integer"),
+    ({}, dict(cu_seqlens=np.array([[0, 64]], np.int32)), ValueError, "cu_seqlens must be 1-D"),
+    ({}, dict(initial_state=jnp.zeros((2, 4, 16, 16))), ValueError, "initial_state must have shape"),
+    ({}, dict(initial_state=jnp.zeros((1, 4, 16, 16), jnp.bfloat16)), TypeError, "initial_state must be float32"),
+    ({}, dict(save_mode="heavy"), ValueError, "save_mode"),
+    ({}, dict(scale=-1.0), ValueError, "scale"),
+]
+
+
+@pytest.mark.parametrize("change,kw,exc,text", CASES)
+def test_bad_input(args, change, kw, exc, text):
+    a = {n: (change[n](args) if n in change else x) for n, x in args.items()}
+    with pytest.raises(exc, match=text):
+        call(a, **kw)
+
+
+def test_cu_seqlens_needs_packed_batch(rng):
+    q, k, v, g, beta, _ = make_inputs(rng, B=2, T=32, H=1, HV=1, K=8, V=8)
+    with pytest.raises(ValueError, match="B == 1"):
+        J.gdn(q, k, v, g, beta, cu_seqlens=jnp.array([0, 32], jnp.int32), backend="xla")
+
+
+def test_unknown_backend(args):
+    with pytest.raises(ValueError, match="backend"):
+        J.gdn(args["q"], args["k"], args["v"], args["g"], args["beta"], backend="tpu")
+
+
+def test_traced_cu_seqlens_is_accepted_under_jit(args):
+    f = jax.jit(lambda cu: call(args, cu_seqlens=cu))
+    assert f(jnp.array([0, 10, 64], jnp.int32)).shape == args["v"].shape
+
+
+@pytest.mark.parametrize("x_shape,w_shape,kw,exc,text", [
+    ((1, 10), (4, 3), {}, ValueError, "x must be"),
+    ((1, 10, 4), (4,), {}, ValueError, "weight must be"),
+    ((1, 10, 4), (5, 3), {}, ValueError, "weight must be"),
+    ((1, 10, 4), (4, 5), {}, ValueError, "width W"),
+    ((1, 10, 4), (4, 3), dict(activation="relu"), ValueError, "activation"),
+    ((1, 10, 4), (4, 3), dict(cu_seqlens=np.array([0, 9], np.int32)), ValueError, "must equal"),
+])
+def test_short_conv_bad_input(x_shape, w_shape, kw, exc, text):
+    with pytest.raises(exc, match=text):
+        J.short_conv(jnp.ones(x_shape), jnp.ones(w_shape), **kw)
