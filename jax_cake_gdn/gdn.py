@@ -23,6 +23,7 @@ class _Config(NamedTuple):
     scale: float
     qk_l2norm: bool
     save_mode: str
+    with_output: bool = True  # False: exit states only (the transfer walk of kcp/), o is [T, HV, 0]
 
 
 def _name(res: dict) -> dict:
@@ -40,8 +41,11 @@ def _forward(cfg: _Config, q, k, v, g, beta, h0, ct: ChunkTable):
     w, u = P.wy(k, v, beta, G, A, rk, ct)
     h, v_new, final = P.state_walk(k, w, u, G, h0, rk, ct)
     full = cfg.save_mode == "full"
-    o, scores = P.output(q, k, G, h, v_new, rq, rk, ct, scale=cfg.scale, out_dtype=v.dtype,
-                         with_scores=full)
+    if cfg.with_output:
+        o, scores = P.output(q, k, G, h, v_new, rq, rk, ct, scale=cfg.scale, out_dtype=v.dtype,
+                             with_scores=full)
+    else:
+        o, scores = jnp.zeros(v.shape[:2] + (0,), v.dtype), None
     res = dict(q=q, k=k, v=v, beta=beta, h0=h0, G=G, A=A, rstd_q=rq, rstd_k=rk)
     if full:
         res.update(w=w, u=u, h=h, v_new=v_new, scores=scores)
@@ -54,6 +58,8 @@ def _backward(cfg: _Config, residuals, cts):
     P = cfg.prims
     q, k, v, beta, G, A = res["q"], res["k"], res["v"], res["beta"], res["G"], res["A"]
     rq, rk = res["rstd_q"], res["rstd_k"]
+    if not cfg.with_output:
+        do = jnp.zeros(v.shape, v.dtype)
     if cfg.save_mode == "full":
         w, u, h, v_new, scores = res["w"], res["u"], res["h"], res["v_new"], res["scores"]
     else:  # light: replay w, u and the state walk

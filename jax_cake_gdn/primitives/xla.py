@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from .. import vma
 from ..chunks import CHUNK, ChunkTable
 
 F32 = jnp.float32
@@ -158,8 +159,9 @@ def state_walk(k, w, u, G, h0, rstd_k, ct: ChunkTable):
         S_end = egc[..., None] * S + _mm("hik,hiv->hkv", kdk, vn)
         return S_end, (S, vn)
 
-    S0 = jnp.zeros(h0.shape[1:], F32)
-    _, (h, vn) = jax.lax.scan(step, S0, (ct.first, ct.seg, wc, uc, Kd, gt.eGC))
+    xs = (ct.first, ct.seg, wc, uc, Kd, gt.eGC)
+    S0 = vma.zeros(h0.shape[1:], F32, h0, *xs)  # the carry varies like everything it meets
+    _, (h, vn) = jax.lax.scan(step, S0, xs)
     # exit states: one more transition on each segment's last chunk
     lc = ct.seg_last
     S_end = gt.eGC[lc][..., None] * h[lc] + _mm("shik,shiv->shkv", Kd[lc], vn[lc])
@@ -208,8 +210,8 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct: ChunkTable, *, 
         dS_in = dhd + egc[..., None] * dS_end - _mm("hik,hiv->hkv", wk, dvn)
         return dS_in, (dS_end, dS_in)
 
-    dS0 = jnp.zeros(dfinal.shape[1:], F32)
     xs = (ct.last, ct.seg, wc, Kd, gt.eGC, dh_direct, dv_local)
+    dS0 = vma.zeros(dfinal.shape[1:], F32, dfinal, *xs)
     _, (dS_end, dS_in) = jax.lax.scan(step, dS0, xs, reverse=True)
     dh0 = jnp.where((ct.seg_len > 0)[:, None, None, None], dS_in[ct.seg_first], dfinal)
     return dS_end, dh0

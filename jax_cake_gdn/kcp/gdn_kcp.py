@@ -1,0 +1,164 @@
+"""gdn_kcp(): context-parallel GDN inside jax.shard_map, written once over the gdn op.
+
+Per rank (its layout slice of the packed token axis):
+  1. units: each piece (layout.py) cut into P segments; local segments = units cut further at
+     document starts (chunks restart at every segment start);
+  2. transfer walk: one `_gdn_packed` call on [v | 0] from the entry [0 | I] gives every unit's
+     affine summary (M_seg [K, K], B_seg [K, V]) at once (a document start inside a unit resets
+     both, so M_seg = 0 there);
+  3. merge: units -> piece summaries (local), exchange (a2a or ring) -> piece carries, then
+     piece carries -> unit carries (local);
+  4. state walk + output: one `_gdn_packed` call with every segment's entry state.
+The backward is JAX's transpose of steps 2-4: each `_gdn_packed` call runs its custom_vjp rules
+(the primitives' backward twins), merges run with M_seg^T, collectives in reverse.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from .. import primitives
+from ..checks import check_cu_seqlens, check_gdn_inputs
+from ..chunks import chunk_table
+from ..gdn import _Config, _gdn_packed
+from . import exchange as ex
+from .layout import Pieces, chains_and_m, check_layout, local_global_positions, rank_pieces
+from .plan import plan_kcp
+
+__all__ = ["gdn_kcp"]
+
+
+def axis_size(axis_name) -> int:
+    """Ranks on `axis_name`; a clear error outside shard_map."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"gdn_kcp/short_conv with axis_name={axis_name!r} must be called inside "
+                         f"jax.shard_map over a mesh with that axis ({e})") from None
+
+
+def doc_positions(gpos, cu):
+    """In-document position of global token positions gpos, for global bounds cu."""
+    doc = jnp.searchsorted(cu[1:], gpos, side="right")
+    return gpos - cu[jnp.minimum(doc, cu.shape[0] - 2)]
+
+
+class LocalTables(NamedTuple):
+    seg_bounds: jax.Array  # [S + 1] local segment bounds (S = U + N)
+    seg_unit: jax.Array  # [S] unit of each segment
+    takes_carry: jax.Array  # [S] bool: the segment's entry state is its unit's carry (else zero)
+    unit_last_seg: jax.Array  # [U] the unit's last segment
+    unit_nonempty: jax.Array  # [U] bool
+
+
+def local_tables(pieces: Pieces, cu, P: int, T_l: int) -> LocalTables:
+    ls = pieces.local_start.reshape(-1)
+    ln = pieces.length.reshape(-1)
+    i = jnp.arange(P + 1, dtype=jnp.int32)
+    ub = ls[:, None] + (ln[:, None] * i[None, :]) // P  # [pieces, P + 1]
+    unit_start = ub[:, :P].reshape(-1)
+    unit_end = ub[:, 1:].reshape(-1)
+    gpos = local_global_positions(pieces, T_l)
+    doc_start = doc_positions(gpos, cu) == 0
+    flags = doc_start.at[unit_start].set(True, mode="drop").at[0].set(True)
+    S = unit_start.shape[0] + cu.shape[0] - 1
+    seg_start = jnp.nonzero(flags, size=S, fill_value=T_l)[0].astype(jnp.int32)
+    bounds = jnp.concatenate([seg_start, jnp.array([T_l], jnp.int32)])
+    nonempty = bounds[1:] > bounds[:-1]
+    U = unit_start.shape[0]
+    seg_unit = jnp.minimum(jnp.searchsorted(unit_end, seg_start, side="right"), U - 1)
+    first_of_unit = nonempty & (seg_start == unit_start[seg_unit])
+    starts_doc = nonempty & doc_start[jnp.minimum(seg_start, T_l - 1)]
+    unit_last_seg = jnp.searchsorted(seg_start, unit_end, side="left") - 1
+    return LocalTables(bounds, seg_unit.astype(jnp.int32), first_of_unit & ~starts_doc,
+                       jnp.maximum(unit_last_seg, 0).astype(jnp.int32), unit_end > unit_start)
+
+
+def _bcast(mask, x):
+    return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+
+
+def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exchange="a2a",
+            save_mode="light", save_transfer=None, segments=None, scale=None, qk_l2norm=False,
+            deterministic=False, backend=None):
+    """Context-parallel `gdn`, called inside `jax.shard_map` over mesh axis `axis_name`.
+
+    Each rank passes its slice of the layout-ordered packed token axis (`to_layout` makes that
+    order from a global array): q, k [1, T/W, H, K]; v [1, T/W, HV, V]; g, beta [1, T/W, HV].
+    `cu_seqlens` [N + 1] is global (replicated, may be traced). Returns this rank's o.
+
+    layout: "contiguous" | "zigzag" | "doc_zigzag" (every document a multiple of 2W tokens).
+    exchange: "a2a" (all_to_all to a chain owner and back) | "ring" (ppermute chain).
+    save_mode: "light" | "full" as in `gdn` (bitwise-equal gradients). In "full", the units'
+      transfer matrices M_seg are kept whenever P > 1, in either save_transfer form.
+    save_transfer: keep the transfer walk's residuals and the received summaries (default True
+      for a2a, False for ring; ring with True is an error). False replays them in the backward.
+    segments: P, the units per piece (default: `plan_kcp`).
+    deterministic: every primitive available today is deterministic; both values behave alike.
+    No initial/final state: documents start from zero.
+    """
+    del deterministic
+    W = axis_size(axis_name)
+    if exchange not in ex.EXCHANGES:
+        raise ValueError(f"exchange must be one of {ex.EXCHANGES}, got {exchange!r}")
+    if save_transfer is None:
+        save_transfer = exchange == "a2a"
+    if exchange == "ring" and save_transfer:
+        raise ValueError("exchange='ring' passes states, not summaries: it requires "
+                         "save_transfer=False")
+    d = check_gdn_inputs(q, k, v, g, beta, cu_seqlens=None, scale=scale, initial_state=None,
+                         save_mode=save_mode)
+    if d.B != 1:
+        raise ValueError(f"gdn_kcp needs the packed layout (B == 1), got B = {d.B}")
+    T_l, T_g = d.T, d.T * W
+    N = check_cu_seqlens(cu_seqlens, 1, T_g)
+    check_layout(layout, cu_seqlens, T_g, W)
+    P = plan_kcp(T_l, d.HV, layout=layout, num_ranks=W, num_docs=N, segments=segments).P
+    cfg = _Config(primitives.resolve(backend), float(d.K**-0.5 if scale is None else scale),
+                  bool(qk_l2norm), save_mode)
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    r = jax.lax.axis_index(axis_name)
+    pieces = rank_pieces(layout, cu, r, W, T_g)
+    C, m = chains_and_m(layout, N)
+    tab = local_tables(pieces, cu, P, T_l)
+    ct = chunk_table(tab.seg_bounds, T_l)
+    q, k, v, g, beta = (x.reshape((T_l,) + x.shape[2:]) for x in (q, k, v, g, beta))
+    HV, K, V = d.HV, d.K, d.V
+
+    def carries(q, k, v, g, beta):
+        # transfer walk: exit of [v | 0] from [0 | I] at each unit's first segment
+        v_aug = jnp.concatenate([v, jnp.zeros((T_l, HV, K), v.dtype)], axis=-1)
+        eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (HV, K, K))
+        entry = jnp.concatenate([jnp.zeros((HV, K, V), jnp.float32), eye], axis=-1)
+        h0 = jnp.where(_bcast(tab.takes_carry, entry[None]), entry[None], 0.0)
+        _, final = _gdn_packed(cfg._replace(with_output=False), q, k, v_aug, g, beta, h0, ct)
+        fu = final[tab.unit_last_seg]
+        ne = _bcast(tab.unit_nonempty, fu)
+        M = checkpoint_name(jnp.where(ne, fu[..., V:], eye), "kcp_M_seg")  # [U, HV, K, K]
+        B = checkpoint_name(jnp.where(ne, fu[..., :V], 0.0), "kcp_B_seg")  # [U, HV, K, V]
+        # merge 1: the P units of each piece compose into the piece summary
+        Mu = M.reshape((C * m, P) + M.shape[1:])
+        Bu = B.reshape((C * m, P) + B.shape[1:])
+        Mp, Bp = Mu[:, 0], Bu[:, 0]
+        for i in range(1, P):
+            Mp, Bp = ex.compose(Mp, Bp, Mu[:, i], Bu[:, i])
+        xch = ex.a2a if exchange == "a2a" else ex.ring
+        carry_p = xch(Mp.reshape((C, m) + Mp.shape[1:]), Bp.reshape((C, m) + Bp.shape[1:]),
+                      axis_name, W)
+        carry_p = checkpoint_name(carry_p.reshape((C * m,) + carry_p.shape[2:]), "kcp_received")
+        # merge 2: piece carry -> unit carries
+        carry_u = jax.vmap(ex.chain_carries)(Mu, Bu, carry_p)  # [C * m, P, HV, K, V]
+        return carry_u.reshape((C * m * P,) + carry_u.shape[2:])
+
+    if not save_transfer:
+        keep = ("kcp_M_seg",) if (save_mode == "full" and P > 1) else ()
+        carries = jax.checkpoint(carries,
+                                 policy=jax.checkpoint_policies.save_only_these_names(*keep))
+    carry_u = carries(q, k, v, g, beta)
+    h0 = jnp.where(_bcast(tab.takes_carry, carry_u[tab.seg_unit]), carry_u[tab.seg_unit], 0.0)
+    o, _ = _gdn_packed(cfg, q, k, v, g, beta, h0, ct)
+    return o.reshape(1, T_l, HV, V)
