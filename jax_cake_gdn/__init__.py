@@ -2,6 +2,8 @@
 
 from .conv import short_conv
 from .gdn import gdn, saved_bytes, saved_layout
+from .kcp import from_layout, gdn_kcp, plan_kcp, to_layout
 
-__all__ = ["gdn", "short_conv", "saved_layout", "saved_bytes"]
+__all__ = ["gdn", "gdn_kcp", "short_conv", "saved_layout", "saved_bytes", "to_layout",
+           "from_layout", "plan_kcp"]
 __version__ = "0.1.0"

@@ -108,3 +108,14 @@ def check_gdn_inputs(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, save
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     return Dims(B, T, H, HV, K, V, N)
+
+
+def poison_if_bad_bounds(o, cu_seqlens, T, multiple: int = 1):
+    """o, or NaN everywhere when traced cu_seqlens break the rules checked above for concrete ones
+    (start 0, non-decreasing, last == T, lengths multiples of `multiple`): never silently wrong."""
+    if concrete(cu_seqlens) is not None:
+        return o
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    lengths = cu[1:] - cu[:-1]
+    ok = (cu[0] == 0) & (cu[-1] == T) & jnp.all(lengths >= 0) & jnp.all(lengths % multiple == 0)
+    return jnp.where(ok, o, jnp.asarray(jnp.nan, o.dtype))

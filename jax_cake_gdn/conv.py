@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,21 +14,66 @@ ACTIVATIONS = ("silu", None)
 MAX_WIDTH = 4
 
 
-def _conv_packed(x, weight, pos, activation):
+def _conv_packed(x, weight, pos, activation, history=None):
     """x [T, C]; weight [C, W]; pos [T] = token position inside its document.
 
     y[t] = act(sum_j weight[:, j] * x[t - (W - 1) + j]), rows before the document start are zero.
+    `history(s)` gives the rows s tokens back where they lie before this array (CP), else zeros.
     """
     W = weight.shape[1]
     xf = x.astype(jnp.float32)
     wf = weight.astype(jnp.float32)
     y = xf * wf[:, W - 1]
     for s in range(1, W):  # tap W-1-s looks s tokens back
-        shifted = jnp.pad(xf, ((s, 0), (0, 0)))[: x.shape[0]]
+        shifted = jnp.pad(xf, ((s, 0), (0, 0)))[: x.shape[0]] if history is None else history(s)
         y = y + jnp.where((pos >= s)[:, None], shifted, 0.0) * wf[:, W - 1 - s]
     if activation == "silu":
         y = y * (1.0 / (1.0 + jnp.exp(-y)))
     return y.astype(x.dtype)
+
+
+def _conv_kcp(x, weight, cu, axis_name, layout, activation):
+    """The rank's conv: rows before a piece's first token come from the previous piece of its
+    chain (kcp/layout.py), never across a document start; autodiff sends their gradient back."""
+    from .kcp import exchange as ex
+    from .kcp.gdn_kcp import axis_size, doc_positions as kcp_doc_positions
+    from .kcp.layout import check_layout, local_global_positions, rank_pieces
+
+    W_ranks = axis_size(axis_name)
+    T_l, C = x.shape
+    T_g = T_l * W_ranks
+    check_layout(layout, cu, T_g, W_ranks)
+    cu = jnp.asarray(cu).astype(jnp.int32)
+    pieces = rank_pieces(layout, cu, jax.lax.axis_index(axis_name), W_ranks, T_g)
+    ls, ln = pieces.local_start, pieces.length  # [Cc, m]
+    H = weight.shape[1] - 1  # history rows
+    xf = x.astype(jnp.float32)
+    hist = jnp.zeros(ls.shape + (H, C), jnp.float32)
+    i = jnp.arange(H)
+    # a piece's tail = its last H rows, reaching into its own history when it is shorter than H;
+    # H rounds of neighbour exchange make every history exact, whatever the piece lengths
+    for _ in range(H):
+        e = ln[..., None] + i  # index into concat(history, piece)
+        own = xf[jnp.clip(ls[..., None] + e - H, 0, T_l - 1)]
+        tail = jnp.where((e >= H)[..., None], own,
+                         jnp.take_along_axis(hist, jnp.clip(e, 0, H - 1)[..., None], axis=-2))
+        hist = ex.neighbor_rows(tail, axis_name, W_ranks)
+    gpos = local_global_positions(pieces, T_l)
+    pos = kcp_doc_positions(gpos, cu)
+    flat_ls = ls.reshape(-1)
+    starts = jnp.where(ln.reshape(-1) > 0, flat_ls, T_l + 1)
+    order = jnp.argsort(starts, stable=True)
+    t = jnp.arange(T_l)
+    piece = order[jnp.clip(jnp.sum(starts[None, :] <= t[:, None], 1) - 1, 0, starts.shape[0] - 1)]
+    off = t - flat_ls[piece]  # offset of t inside its piece
+    hist_flat = hist.reshape((-1, H, C))
+
+    def history(s):
+        inside = xf[jnp.clip(t - s, 0, T_l - 1)]
+        before = hist_flat[piece, jnp.clip(H - s + off, 0, H - 1)]
+        return jnp.where((off >= s)[:, None], inside, before)
+
+    return _conv_packed(x, weight, pos, activation, history)
 
 
 def doc_positions(bounds, T):
@@ -38,7 +84,8 @@ def doc_positions(bounds, T):
     return t - bounds[jnp.minimum(doc, bounds.shape[0] - 2)]
 
 
-def short_conv(x, weight, *, cu_seqlens=None, activation="silu", backend=None):
+def short_conv(x, weight, *, cu_seqlens=None, activation="silu", backend=None, axis_name=None,
+               layout="contiguous"):
     """Causal depthwise conv of width W <= 4 per document, then SiLU (or none).
 
     Args:
@@ -46,6 +93,10 @@ def short_conv(x, weight, *, cu_seqlens=None, activation="silu", backend=None):
       cu_seqlens: optional int32 [N + 1] document bounds (B == 1); may be traced.
       activation: "silu" or None.
       backend: None, "xla" or "cuda"; the conv is jax.numpy on every backend today.
+      axis_name, layout: the context-parallel form, inside jax.shard_map: x is this rank's slice
+        [1, T / W, C] of the layout-ordered tokens (see `to_layout`), cu_seqlens is global and
+        required. The first W - 1 rows of a continuing document come from the previous piece in
+        layout order.
     Returns y [B, T, C] in x's dtype; gradients through JAX autodiff.
     """
     if not hasattr(x, "ndim") or x.ndim != 3:
@@ -63,6 +114,14 @@ def short_conv(x, weight, *, cu_seqlens=None, activation="silu", backend=None):
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     if backend not in (None, "xla", "cuda"):
         raise ValueError(f"backend must be None, 'xla' or 'cuda', got {backend!r}")
+    if axis_name is not None:
+        if cu_seqlens is None:
+            raise ValueError("short_conv with axis_name (context parallel) needs cu_seqlens")
+        from .kcp.gdn_kcp import axis_size
+
+        check_cu_seqlens(cu_seqlens, B, T * axis_size(axis_name))
+        y = _conv_kcp(x.reshape(T, C), weight, cu_seqlens, axis_name, layout, activation)
+        return y.reshape(B, T, C)
     if cu_seqlens is None:
         bounds = np.arange(B + 1, dtype=np.int32) * T
     else:

@@ -16,6 +16,7 @@ above 1e-2 (bf16) or 1e-4 (f32). Tokens/s excludes the first (compiling) step.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -37,7 +38,11 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=("xla", "cuda"), default=None,
                    help="gdn/short_conv backend (default: the library's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cp", type=int, default=1, help="context-parallel ranks (only 1 for now)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel ranks: gdn_kcp + CP short conv under jax.shard_map "
+                        "(on a CPU host the demo forces that many host devices)")
+    p.add_argument("--layout", choices=("contiguous", "zigzag", "doc_zigzag"),
+                   default="contiguous", help="CP token layout (with --cp > 1)")
     a = p.parse_args(argv)
     try:
         a.H, a.HV = (int(s) for s in a.heads.split(","))
@@ -49,13 +54,20 @@ def parse_args(argv=None):
         p.error("need --docs >= 1 and --tokens >= --docs")
     if a.steps < 1:
         p.error("--steps must be >= 1")
+    if a.cp < 1:
+        p.error("--cp must be >= 1")
+    parts = a.cp if a.layout == "contiguous" else 2 * a.cp
+    if a.cp > 1 and a.tokens % parts:
+        p.error(f"--tokens must be a multiple of {parts} for --cp {a.cp} --layout {a.layout}")
     return a
 
 
-def random_cu_seqlens(rng, T, N):
-    """N uneven document lengths (each >= 1) summing to T, as cu_seqlens [N+1] int32."""
-    cuts = np.sort(rng.choice(np.arange(1, T), size=N - 1, replace=False)) if N > 1 else []
-    return np.concatenate([[0], cuts, [T]]).astype(np.int32)
+def random_cu_seqlens(rng, T, N, unit=1):
+    """N uneven document lengths (each >= unit, multiples of unit) summing to T, as cu_seqlens
+    [N+1] int32."""
+    n = T // unit
+    cuts = np.sort(rng.choice(np.arange(1, n), size=N - 1, replace=False)) if N > 1 else []
+    return (np.concatenate([[0], cuts, [n]]) * unit).astype(np.int32)
 
 
 class Progress:
@@ -78,14 +90,9 @@ class Progress:
 def main(argv=None):
     args = parse_args(argv)
 
-    # ---- HOOK(cp): context parallelism --------------------------------------------------------
-    # A later issue wires --cp N here: a mesh over N devices, x / target / cu_seqlens laid out with
-    # the kcp layout helpers, and the step body run under jax.shard_map.
-    if args.cp != 1:
-        print(f"error: --cp {args.cp}: context parallelism is not yet available in this demo "
-              "(only --cp 1 runs for now)", file=sys.stderr)
-        return 2
-    # -------------------------------------------------------------------------------------------
+    if args.cp > 1:  # CPU hosts get that many host devices (must precede the jax import)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={args.cp}")
 
     import jax
     import jax.numpy as jnp
@@ -125,13 +132,18 @@ def main(argv=None):
     target = jax.random.normal(ks[6], (1, T, D), jnp.float32)
     rng = np.random.default_rng(args.seed)
 
+    R = args.cp
+    Tl = T // R  # tokens per rank (all of them without CP)
+    cp = dict(axis_name="cp", layout=args.layout) if R > 1 else {}
+    unit = 2 * R if (R > 1 and args.layout == "doc_zigzag") else 1
+
     def gdn_inputs(p, x, cu):
         qkv = x @ p["w_qkv"].astype(dt)
         qkv = jcg.short_conv(qkv, p["conv_w"].astype(dt), cu_seqlens=cu, activation="silu",
-                             backend=args.backend)
-        q = qkv[..., :HK].reshape(1, T, H, K)
-        k = qkv[..., HK:2 * HK].reshape(1, T, H, K)
-        v = qkv[..., 2 * HK:].reshape(1, T, HV, V)
+                             backend=args.backend, **cp)
+        q = qkv[..., :HK].reshape(1, Tl, H, K)
+        k = qkv[..., HK:2 * HK].reshape(1, Tl, H, K)
+        v = qkv[..., 2 * HK:].reshape(1, Tl, HV, V)
         xf = x.astype(jnp.float32)
         g = jax.nn.log_sigmoid(xf @ p["w_g"] + p["b_g"])
         beta = jax.nn.sigmoid(xf @ p["w_beta"])
@@ -139,29 +151,60 @@ def main(argv=None):
 
     def layer(p, x, cu):
         q, k, v, g, beta = gdn_inputs(p, x, cu)
-        o = jcg.gdn(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=True, backend=args.backend)
+        op = jcg.gdn_kcp if R > 1 else jcg.gdn
+        o = op(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=True, backend=args.backend, **cp)
         return o, (q, k, v, g, beta)
 
     def loss_fn(p, x, target, cu):
         o, _ = layer(p, x, cu)
-        y = o.reshape(1, T, HV * V) @ p["w_o"].astype(dt)
-        return jnp.mean((y.astype(jnp.float32) - target) ** 2)
+        y = o.reshape(1, Tl, HV * V) @ p["w_o"].astype(dt)
+        sq = jnp.sum((y.astype(jnp.float32) - target) ** 2)
+        return (jax.lax.psum(sq, "cp") if R > 1 else sq) / (T * D)
+
+    def step(p, x, target, cu):
+        loss, grads = jax.value_and_grad(loss_fn)(p, x, target, cu)  # CP: grads summed by JAX
+        return jax.tree_util.tree_map(lambda a, b: a - args.lr * b, p, grads), loss
+
+    if R > 1:  # one mesh axis over R devices; tokens in layout order, sharded over it
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        if len(jax.devices()) < R:
+            print(f"error: --cp {R} needs {R} devices, found {len(jax.devices())}",
+                  file=sys.stderr)
+            return 1
+        mesh = jax.make_mesh((R,), ("cp",), devices=jax.devices()[:R])
+        tok, rep = NamedSharding(mesh, P(None, "cp")), NamedSharding(mesh, P())
+        step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(None, "cp"), P(None, "cp"), P()),
+                             out_specs=(P(), P()))
+        probe_fn = jax.shard_map(layer, mesh=mesh, in_specs=(P(), P(None, "cp"), P()),
+                                 out_specs=P(None, "cp"))
+        place = lambda a, cu: jax.device_put(jcg.to_layout(a, cu, args.layout, R), tok)
+        unplace = lambda a, cu: np.asarray(jcg.from_layout(a, cu, args.layout, R))
+        params = jax.device_put(params, rep)
+        replicated = lambda a: jax.device_put(a, rep)
+    else:
+        place = unplace = lambda a, cu: a
+        replicated = lambda a: a
+        probe_fn = layer
+    print(f"context parallel: {R} ranks, layout {args.layout}" if R > 1 else
+          "context parallel: off (--cp 1)")
 
     traces = []
 
     @jax.jit
     def train_step(p, x, target, cu):
         traces.append(1)  # Python side effect: runs once per trace
-        loss, grads = jax.value_and_grad(loss_fn)(p, x, target, cu)
-        p = jax.tree_util.tree_map(lambda a, b: a - args.lr * b, p, grads)
-        return p, loss
+        return step(p, x, target, cu)
 
-    probe = jax.jit(layer)
+    probe = jax.jit(probe_fn)
 
     # ---- one-time check of this step's gdn output on one short document ----
-    cu0 = random_cu_seqlens(rng, T, N)
+    cu0 = random_cu_seqlens(rng, T, N, unit)
+    cu0_j = jnp.asarray(cu0)
     try:
-        o, (q, k, v, g, beta) = probe(params, x, jnp.asarray(cu0))
+        o, (q, k, v, g, beta) = probe(params, place(x, cu0_j), replicated(cu0_j))
+        o, q, k, v, g, beta = (unplace(t, cu0_j) for t in (o, q, k, v, g, beta))
         jax.block_until_ready(o)
     except Exception as e:  # noqa: BLE001 - a backend that cannot run here fails at its first call
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -188,8 +231,9 @@ def main(argv=None):
     cu = cu0
     for i in range(args.steps):
         if i:
-            cu = random_cu_seqlens(rng, T, N)
-        params, loss = train_step(params, x, target, jnp.asarray(cu))
+            cu = random_cu_seqlens(rng, T, N, unit)
+        cu_j = jnp.asarray(cu)
+        params, loss = train_step(params, place(x, cu_j), place(target, cu_j), replicated(cu_j))
         losses.append(float(loss))  # blocks
         if i == 0:
             t_first = time.perf_counter()

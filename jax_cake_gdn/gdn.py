@@ -11,7 +11,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import primitives
-from .checks import check_gdn_inputs
+from .checks import check_gdn_inputs, poison_if_bad_bounds
 from .chunks import ChunkTable, chunk_table
 from .primitives import Primitives
 
@@ -114,7 +114,8 @@ def gdn(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False, initi
       g: [B, T, HV] float32 log decay (<= 0).  beta: [B, T, HV] float32 in (0, 1).
       cu_seqlens: optional int32 [N + 1] document bounds over T (then B == 1); may be traced, so a
         jitted step does not retrace when boundaries change (repeat the last entry for empty
-        documents up to a fixed capacity). Documents never exchange state.
+        documents up to a fixed capacity). Documents never exchange state. Concrete bounds are
+        checked (ValueError); traced bounds that break the rules make o all NaN.
       scale: output scale, default K ** -0.5.
       qk_l2norm: L2-normalise q and k per head row inside the op (x / sqrt(sum x^2 + 1e-6)).
       initial_state: optional float32 [N or B, HV, K, V] entry state per document.
@@ -136,16 +137,31 @@ def gdn(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False, initi
                           save_mode, backend)
     o, final = _gdn_packed(cfg, *_packed_args(d, *args))
     o = o.reshape(d.B, d.T, d.HV, d.V)
+    if cu_seqlens is not None:
+        o = poison_if_bad_bounds(o, cu_seqlens, d.T)
     return (o, final) if output_final_state else o
 
 
 def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False,
-                 initial_state=None, save_mode="light", backend=None, **_ignored):
-    """Residuals `gdn` keeps for the backward: {name: (shape, dtype, bytes)}.
+                 initial_state=None, save_mode="light", backend=None, num_ranks=None, **kcp_kw):
+    """Residuals kept for the backward: {name: (shape, dtype, bytes)}.
 
     Takes the arguments of `gdn` (arrays or jax.ShapeDtypeStruct); computes nothing on device.
     Names match the checkpoint names (`gdn_<name>`); `ct.*` is the chunk table.
+    With `num_ranks=W` (and gdn_kcp's layout, exchange, save_transfer, segments): the residuals
+    of `gdn_kcp` on each rank (every rank keeps the same shapes), for global q..beta shapes.
     """
+    for name in ("output_final_state", "deterministic"):  # gdn arguments that change nothing
+        kcp_kw.pop(name, None)
+    if num_ranks is not None:
+        from .kcp.saved import saved_layout_kcp
+
+        return saved_layout_kcp(q, k, v, g, beta, cu_seqlens=cu_seqlens, num_ranks=num_ranks,
+                                save_mode=save_mode, scale=scale, qk_l2norm=qk_l2norm,
+                                backend=backend, **kcp_kw)
+    if kcp_kw:
+        raise TypeError(f"saved_layout got context-parallel arguments {sorted(kcp_kw)} without "
+                        "num_ranks")
     d, cfg, args = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
                           save_mode, backend)
     res, ct = jax.eval_shape(lambda *a: _forward(cfg, *_packed_args(d, *a))[1], *args)

@@ -67,7 +67,10 @@ def test_unknown_backend(args):
 
 def test_traced_cu_seqlens_is_accepted_under_jit(args):
     f = jax.jit(lambda cu: call(args, cu_seqlens=cu))
-    assert f(jnp.array([0, 10, 64], jnp.int32)).shape == args["v"].shape
+    o = f(jnp.array([0, 10, 64], jnp.int32))
+    assert o.shape == args["v"].shape and np.all(np.isfinite(np.asarray(o, np.float32)))
+    for bad in ([1, 10, 64], [0, 40, 30], [0, 10, 63]):  # not checkable while traced: NaN, loudly
+        assert np.all(np.isnan(np.asarray(f(jnp.array(bad, jnp.int32)), np.float32)))
 
 
 @pytest.mark.parametrize("x_shape,w_shape,kw,exc,text", [

@@ -36,13 +36,10 @@ def compose(M1, B1, M2, B2):
 
 
 def chain_carries(M, B, carry0=None):
-    """Sequential carries along axis 0: carry[0] = carry0 (or 0), carry[i+1] = M[i] carry[i] + B[i]."""
+    """Carries along axis 0: carry[0] = carry0 (or 0), carry[i+1] = M[i] carry[i] + B[i]."""
     carry = jnp.zeros_like(B[0]) if carry0 is None else carry0
-    out = []
-    for i in range(M.shape[0]):
-        out.append(carry)
-        carry = apply(M[i], carry, B[i])
-    return jnp.stack(out)
+    _, out = jax.lax.scan(lambda c, mb: (apply(mb[0], c, mb[1]), c), carry, (M, B))
+    return out
 
 
 def a2a(M, B, axis_name: str, W: int):

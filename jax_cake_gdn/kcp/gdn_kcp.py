@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import primitives
-from ..checks import check_cu_seqlens, check_gdn_inputs
+from ..checks import check_cu_seqlens, check_gdn_inputs, poison_if_bad_bounds
 from ..chunks import chunk_table
 from ..gdn import _Config, _gdn_packed
 from . import exchange as ex
@@ -89,7 +89,8 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
 
     Each rank passes its slice of the layout-ordered packed token axis (`to_layout` makes that
     order from a global array): q, k [1, T/W, H, K]; v [1, T/W, HV, V]; g, beta [1, T/W, HV].
-    `cu_seqlens` [N + 1] is global (replicated, may be traced). Returns this rank's o.
+    `cu_seqlens` [N + 1] is global (replicated, may be traced; traced bounds that break the
+    rules, e.g. a doc_zigzag document not a multiple of 2W, make o all NaN). Returns this rank's o.
 
     layout: "contiguous" | "zigzag" | "doc_zigzag" (every document a multiple of 2W tokens).
     exchange: "a2a" (all_to_all to a chain owner and back) | "ring" (ppermute chain).
@@ -138,21 +139,20 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
         _, final = _gdn_packed(cfg._replace(with_output=False), q, k, v_aug, g, beta, h0, ct)
         fu = final[tab.unit_last_seg]
         ne = _bcast(tab.unit_nonempty, fu)
-        M = checkpoint_name(jnp.where(ne, fu[..., V:], eye), "kcp_M_seg")  # [U, HV, K, K]
-        B = checkpoint_name(jnp.where(ne, fu[..., :V], 0.0), "kcp_B_seg")  # [U, HV, K, V]
+        # unit summaries, unit-major [P, pieces, HV, K, *]: the merges scan over P
+        unit_major = lambda x: jnp.moveaxis(x.reshape((C * m, P) + x.shape[1:]), 1, 0)
+        M = checkpoint_name(unit_major(jnp.where(ne, fu[..., V:], eye)), "kcp_M_seg")
+        B = checkpoint_name(unit_major(jnp.where(ne, fu[..., :V], 0.0)), "kcp_B_seg")
         # merge 1: the P units of each piece compose into the piece summary
-        Mu = M.reshape((C * m, P) + M.shape[1:])
-        Bu = B.reshape((C * m, P) + B.shape[1:])
-        Mp, Bp = Mu[:, 0], Bu[:, 0]
-        for i in range(1, P):
-            Mp, Bp = ex.compose(Mp, Bp, Mu[:, i], Bu[:, i])
+        (Mp, Bp), _ = jax.lax.scan(lambda acc, mb: (ex.compose(*acc, *mb), None),
+                                   (M[0], B[0]), (M[1:], B[1:]))
         xch = ex.a2a if exchange == "a2a" else ex.ring
         carry_p = xch(Mp.reshape((C, m) + Mp.shape[1:]), Bp.reshape((C, m) + Bp.shape[1:]),
                       axis_name, W)
         carry_p = checkpoint_name(carry_p.reshape((C * m,) + carry_p.shape[2:]), "kcp_received")
         # merge 2: piece carry -> unit carries
-        carry_u = jax.vmap(ex.chain_carries)(Mu, Bu, carry_p)  # [C * m, P, HV, K, V]
-        return carry_u.reshape((C * m * P,) + carry_u.shape[2:])
+        carry_u = ex.chain_carries(M, B, carry_p)  # [P, pieces, HV, K, V]
+        return jnp.moveaxis(carry_u, 0, 1).reshape((C * m * P,) + carry_u.shape[2:])
 
     if not save_transfer:
         keep = ("kcp_M_seg",) if (save_mode == "full" and P > 1) else ()
@@ -161,4 +161,5 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
     carry_u = carries(q, k, v, g, beta)
     h0 = jnp.where(_bcast(tab.takes_carry, carry_u[tab.seg_unit]), carry_u[tab.seg_unit], 0.0)
     o, _ = _gdn_packed(cfg, q, k, v, g, beta, h0, ct)
+    o = poison_if_bad_bounds(o, cu_seqlens, T_g, 2 * W if layout == "doc_zigzag" else 1)
     return o.reshape(1, T_l, HV, V)

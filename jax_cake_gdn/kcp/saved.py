@@ -1,0 +1,67 @@
+"""saved_layout for gdn_kcp: the residuals JAX keeps on each rank, read off the traced backward.
+
+Shapes are static per rank, so every rank keeps the same set. Entries come from JAX's own residual
+analysis of `jax.vjp(gdn_kcp)` under an abstract mesh: named ones carry their checkpoint name
+(`gdn_*`, `kcp_*`), others the operation and source line that produced them. Inputs that both
+`_gdn_packed` calls keep are listed once per call (the buffers alias).
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved_residuals
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .gdn_kcp import gdn_kcp
+from .plan import plan_kcp
+
+_AXIS = "kcp"
+
+
+def _name(desc: str) -> str:
+    m = re.search(r"named '([^']+)'", desc)
+    if m:
+        return m.group(1)
+    m = re.search(r"(output of [^ ]+(?: function '[^']+')?) from .*?([\w]+\.py:\d+)", desc)
+    return f"{m.group(1)} ({m.group(2)})" if m else desc
+
+
+def saved_layout_kcp(q, k, v, g, beta, *, cu_seqlens, num_ranks: int, layout="contiguous",
+                     exchange="a2a", save_mode="light", save_transfer=None, segments=None,
+                     scale=None, qk_l2norm=False, backend=None, **_ignored):
+    """Per-rank residuals of gdn_kcp: {name: (shape, dtype, bytes)}; q..beta are global shapes."""
+    W = int(num_ranks)
+    mesh = AbstractMesh((W,), (_AXIS,))
+    tok = NamedSharding(mesh, P(None, _AXIS))
+    sds = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=tok) for x in (q, k, v, g, beta)]
+    cu = jax.ShapeDtypeStruct(np.shape(cu_seqlens), jnp.int32, sharding=NamedSharding(mesh, P()))
+    kw = dict(layout=layout, exchange=exchange, save_mode=save_mode, save_transfer=save_transfer,
+              segments=segments, scale=scale, qk_l2norm=qk_l2norm, backend=backend)
+    found = []
+
+    def body(q, k, v, g, beta, cu):
+        f = lambda *a: gdn_kcp(*a, cu_seqlens=cu, axis_name=_AXIS, **kw)
+        found.extend(saved_residuals(f, q, k, v, g, beta))
+        return f(q, k, v, g, beta)
+
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(P(None, _AXIS),) * 5 + (P(),),
+                                 out_specs=P(None, _AXIS)), *sds, cu)
+    out, seen = {}, {}
+    for aval, desc in found:
+        name = _name(desc)
+        seen[name] = seen.get(name, 0) + 1
+        key = name if seen[name] == 1 else f"{name} #{seen[name]}"
+        dt = jnp.dtype(aval.dtype)
+        out[key] = (tuple(aval.shape), dt, int(np.prod(aval.shape)) * dt.itemsize)
+    T_l = q.shape[1] // W
+    plan = plan_kcp(T_l, v.shape[2], layout=layout, num_ranks=W, num_docs=np.shape(cu_seqlens)[0]
+                    - 1, segments=segments)
+    if save_mode == "full" and plan.P > 1 and "kcp_M_seg" not in out:
+        raise RuntimeError("internal error: a full saved set at P > 1 must keep kcp_M_seg "
+                           "(the backward merges read M_seg^T); refusing to report one without")
+    return out

@@ -1,0 +1,254 @@
+"""Context parallelism on 8 CPU devices: gdn_kcp and the CP short conv equal one device."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_inputs, rel_rms
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_cake_gdn as J
+from jax_cake_gdn.kcp import plan_kcp
+
+AX = "cp"
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def docs_for(layout, W, T, rng):
+    """Uneven documents: some cross ranks, some start and end inside one rank (for doc_zigzag each
+    length is a multiple of 2W), and an empty one (repeated bound)."""
+    unit = 2 * W if layout == "doc_zigzag" else 1
+    n = T // unit
+    cuts = np.sort(rng.choice(np.arange(1, n), size=4, replace=False)) * unit
+    cuts[0] = unit  # a one-unit document first
+    return np.concatenate([[0], cuts, [cuts[-1]], [T]]).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def mesh(W):
+    return jax.make_mesh((W,), (AX,), devices=jax.devices()[:W])
+
+
+def run_kcp(W, layout, cu, args, do, **kw):
+    """(o, grads) of sum(o * do) through gdn_kcp, in global token order."""
+    m = mesh(W)
+    tok = NamedSharding(m, P(None, AX))
+    rep = NamedSharding(m, P())
+    cu_j = jnp.asarray(cu)
+    lay = lambda x: jax.device_put(J.to_layout(x, cu_j, layout, W), tok)
+
+    def local(q, k, v, g, beta, cu, do):
+        f = lambda *a: J.gdn_kcp(*a, cu_seqlens=cu, axis_name=AX, layout=layout, backend="xla",
+                                 **kw)
+        o, pull = jax.vjp(f, q, k, v, g, beta)
+        return o, pull(do.astype(o.dtype))
+
+    fn = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX),) * 5 + (P(), P(None, AX)),
+                               out_specs=(P(None, AX), (P(None, AX),) * 5)))
+    o, grads = fn(*[lay(x) for x in args], jax.device_put(cu_j, rep), lay(do))
+    back = lambda x: np.asarray(J.from_layout(x, cu_j, layout, W))
+    return back(o), [back(x) for x in grads]
+
+
+def run_one_device(cu, args, do):
+    f = lambda *a: J.gdn(*a, cu_seqlens=jnp.asarray(cu), backend="xla")
+    o, pull = jax.vjp(f, *args)
+    return np.asarray(o), [np.asarray(x) for x in pull(do)]
+
+
+CASES = [(W, layout, exchange) for W in (1, 2, 4, 8)
+         for layout in ("contiguous", "zigzag", "doc_zigzag") for exchange in ("a2a", "ring")]
+
+
+@pytest.mark.parametrize("W,layout,exchange", CASES)
+def test_kcp_matches_one_device(rng, W, layout, exchange):
+    T = 384
+    segments = (1, 2, 3)[(W + len(layout)) % 3]
+    cu = docs_for(layout, W, T, rng)
+    args = make_inputs(rng, T=T, H=2, HV=4, K=16, V=16)[:5]
+    do = jnp.asarray(rng.standard_normal((1, T, 4, 16)), jnp.float32)
+    o, grads = run_kcp(W, layout, cu, args, do, exchange=exchange, segments=segments)
+    ro, rgrads = run_one_device(cu, args, do)
+    errs = {"o": rel_rms(o, ro), **{n: rel_rms(a, b) for n, a, b in zip(NAMES, grads, rgrads)}}
+    assert all(e <= 1e-5 for e in errs.values()), (segments, errs)
+
+
+def test_single_document_spanning_every_rank(rng):
+    W, T = 8, 512
+    cu = np.array([0, T], np.int32)
+    args = make_inputs(rng, T=T, H=1, HV=2, K=16, V=16)[:5]
+    do = jnp.asarray(rng.standard_normal((1, T, 2, 16)), jnp.float32)
+    ro, rgrads = run_one_device(cu, args, do)
+    for layout in ("contiguous", "zigzag"):
+        o, grads = run_kcp(W, layout, cu, args, do, segments=2)
+        assert rel_rms(o, ro) <= 1e-5
+        for a, b in zip(grads, rgrads):
+            assert rel_rms(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ("contiguous", "zigzag", "doc_zigzag"))
+def test_save_modes_bitwise_and_exchanges_agree(rng, layout):
+    W, T = 4, 256
+    cu = docs_for(layout, W, T, rng)
+    args = make_inputs(rng, T=T, H=2, HV=2, K=16, V=16, dtype=jnp.bfloat16)[:5]
+    do = jnp.asarray(rng.standard_normal((1, T, 2, 16)), jnp.float32)
+    forms = [("a2a", True), ("a2a", False), ("ring", False)]
+    results = {}
+    for exchange, st in forms:
+        for mode in ("light", "full"):
+            results[exchange, st, mode] = run_kcp(W, layout, cu, args, do, exchange=exchange,
+                                                  save_transfer=st, save_mode=mode, segments=2)
+    for exchange, st in forms:
+        (_, light), (_, full) = results[exchange, st, "light"], results[exchange, st, "full"]
+        for a, b in zip(light, full):
+            np.testing.assert_array_equal(a, b)
+    _, a2a = results["a2a", True, "light"]
+    _, ring = results["ring", False, "light"]
+    for a, b in zip(a2a, ring):
+        assert rel_rms(a.astype(np.float32), b.astype(np.float32)) <= 1e-6 or np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("W", (2, 8))
+@pytest.mark.parametrize("layout", ("contiguous", "zigzag", "doc_zigzag"))
+def test_short_conv_kcp_matches_one_device(rng, W, layout):
+    T, C = 256, 6
+    cu = docs_for(layout, W, T, rng)
+    x = jnp.asarray(rng.standard_normal((1, T, C)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((C, 4)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((1, T, C)), jnp.float32)
+    y_ref, pull = jax.vjp(lambda x, w: J.short_conv(x, w, cu_seqlens=jnp.asarray(cu)), x, w)
+    dx_ref, dw_ref = pull(dy)
+    m = mesh(W)
+    tok, rep = NamedSharding(m, P(None, AX)), NamedSharding(m, P())
+    cu_j = jnp.asarray(cu)
+    lay = lambda a: jax.device_put(J.to_layout(a, cu_j, layout, W), tok)
+
+    def local(x, w, cu, dy):
+        y, pull = jax.vjp(lambda x, w: J.short_conv(x, w, cu_seqlens=cu, axis_name=AX,
+                                                    layout=layout), x, w)
+        return (y, *pull(dy))  # dw of a replicated weight is summed over ranks by JAX
+
+    fn = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX), P(), P(), P(None, AX)),
+                               out_specs=(P(None, AX), P(None, AX), P())))
+    y, dx, dw = fn(lay(x), jax.device_put(w, rep), jax.device_put(cu_j, rep), lay(dy))
+    assert rel_rms(J.from_layout(y, cu_j, layout, W), y_ref) <= 1e-6
+    assert rel_rms(J.from_layout(dx, cu_j, layout, W), dx_ref) <= 1e-6
+    assert rel_rms(dw, dw_ref) <= 1e-6
+
+
+@pytest.mark.parametrize("save_mode,save_transfer,segments", [
+    ("light", True, 1), ("light", False, 2), ("full", False, 1), ("full", False, 3),
+    ("full", True, 2)])
+def test_saved_layout_kcp_equals_residuals(rng, save_mode, save_transfer, segments):
+    W, T = 4, 256
+    cu = docs_for("contiguous", W, T, rng)
+    args = make_inputs(rng, T=T, H=2, HV=2, K=16, V=16, dtype=jnp.bfloat16)[:5]
+    kw = dict(save_mode=save_mode, save_transfer=save_transfer, segments=segments,
+              exchange="a2a")
+    layout = J.saved_layout(*args, cu_seqlens=cu, num_ranks=W, **kw)
+    m = mesh(W)
+    kept = []
+
+    def local(q, k, v, g, beta, cu):
+        f = lambda *a: J.gdn_kcp(*a, cu_seqlens=cu, axis_name=AX, backend="xla", **kw)
+        _, pull = jax.vjp(f, q, k, v, g, beta)
+        kept.extend((tuple(x.shape), str(x.dtype)) for x in jax.tree_util.tree_leaves(pull))
+        return f(q, k, v, g, beta)
+
+    tok = NamedSharding(m, P(None, AX))
+    jax.eval_shape(jax.shard_map(local, mesh=m, in_specs=(P(None, AX),) * 5 + (P(),),
+                                 out_specs=P(None, AX)),
+                   *[jax.device_put(x, tok) for x in args],
+                   jax.device_put(jnp.asarray(cu), NamedSharding(m, P())))
+    assert sorted((s, str(d)) for s, d, _ in layout.values()) == sorted(kept)
+    HV, K = 2, 16
+    if (save_mode == "full" or save_transfer) and segments > 1:
+        assert layout["kcp_M_seg"][0] == (segments, 1, HV, K, K)
+        assert layout["kcp_M_seg"][2] == segments * HV * K * K * 4
+    if not save_transfer and save_mode == "light":
+        assert "kcp_M_seg" not in layout
+    assert J.saved_bytes(*args, cu_seqlens=cu, num_ranks=W, **kw) == sum(
+        b for _, _, b in layout.values())
+
+
+@pytest.mark.parametrize("exchange,collective", [("a2a", "all_to_all"),
+                                                  ("ring", "collective_permute")])
+def test_lowered_step_has_the_exchange_collective(rng, exchange, collective):
+    from jax_cake_gdn.primitives import cuda
+
+    backend = "cuda" if cuda.available() else "xla"
+    W, T = 8, 512
+    m = mesh(W)
+    tok = NamedSharding(m, P(None, AX))
+    D = 64  # a head dim the cuda kernels support
+    shapes = [((1, T, 2, D), jnp.bfloat16)] * 2 + [((1, T, 4, D), jnp.bfloat16)] + [
+        ((1, T, 4), jnp.float32)] * 2
+    sds = [jax.ShapeDtypeStruct(s, d, sharding=tok) for s, d in shapes]
+    cu = jax.ShapeDtypeStruct((5,), jnp.int32, sharding=NamedSharding(m, P()))
+
+    def local(q, k, v, g, beta, cu):
+        f = lambda *a: jnp.sum(J.gdn_kcp(*a, cu_seqlens=cu, axis_name=AX, exchange=exchange,
+                                         backend=backend).astype(jnp.float32))
+        return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
+
+    step = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX),) * 5 + (P(),),
+                                 out_specs=(P(None, AX),) * 5))
+    hlo = step.trace(*sds, cu).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"stablehlo.{collective}" in hlo
+    if backend == "cuda":
+        assert "jax_cake_gdn_" in hlo
+
+
+def _call_kcp(W, **kw):
+    m = mesh(W)
+    T = 64 * W
+    args = make_inputs(np.random.default_rng(0), T=T, H=1, HV=1, K=8, V=8)[:5]
+    cu = kw.pop("cu", np.array([0, T], np.int32))
+    tok = NamedSharding(m, P(None, AX))
+    traced = kw.pop("traced", False)
+    f = jax.shard_map(lambda *a: J.gdn_kcp(*a[:5], cu_seqlens=a[5] if traced else cu,
+                                           axis_name=AX, backend="xla", **kw),
+                      mesh=m, in_specs=(P(None, AX),) * 5 + (P(),), out_specs=P(None, AX))
+    return f(*[jax.device_put(x, tok) for x in args], jax.device_put(jnp.asarray(cu),
+                                                                     NamedSharding(m, P())))
+
+
+@pytest.mark.parametrize("kw,text", [
+    (dict(exchange="ring", save_transfer=True), "requires save_transfer=False"),
+    (dict(layout="stripes"), "layout must be one of"),
+    (dict(exchange="tree"), "exchange must be one of"),
+    (dict(layout="doc_zigzag", cu=np.array([0, 100, 256], np.int32)), "document 0"),
+    (dict(cu=np.array([0, 100, 200], np.int32)), "must equal the token count"),
+    (dict(segments=0), "segments must be a positive int"),
+])
+def test_kcp_bad_input(kw, text):
+    with pytest.raises(ValueError, match=text):
+        _call_kcp(4, **kw)
+
+
+def test_traced_bad_doc_zigzag_bounds_give_nan():
+    o = _call_kcp(4, layout="doc_zigzag", cu=np.array([0, 100, 256], np.int32), traced=True)
+    assert np.all(np.isnan(np.asarray(o)))
+    o = _call_kcp(4, layout="doc_zigzag", cu=np.array([0, 96, 256], np.int32), traced=True)
+    assert np.all(np.isfinite(np.asarray(o)))
+
+
+def test_layout_token_count_not_divisible():
+    x = jnp.zeros((1, 30, 2))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        J.to_layout(x, jnp.array([0, 30], jnp.int32), "zigzag", 4)
+
+
+def test_gdn_kcp_outside_shard_map(rng):
+    args = make_inputs(rng, T=64, H=1, HV=1, K=8, V=8)[:5]
+    with pytest.raises(ValueError, match="inside jax.shard_map"):
+        J.gdn_kcp(*args, cu_seqlens=jnp.array([0, 64], jnp.int32), axis_name=AX)
+
+
+def test_plan():
+    assert plan_kcp(32768, 48, num_ranks=1).P > 1  # one piece x 48 heads < 132 SMs
+    assert plan_kcp(32768, 48, layout="doc_zigzag", num_ranks=2, num_docs=4).P == 1
+    assert plan_kcp(256, 2, num_ranks=1, segments=5).P == 5
