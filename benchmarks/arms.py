@@ -151,10 +151,89 @@ def jax_arm(backend: str, opts: List[str]) -> Arm:
                options={"backend": backend, "save_mode": save_mode, "deterministic": det})
 
 
+# ------------------------------------------------------------------------------------------------
+# torch arms: the peers, same process, same host inputs (timing and a loose cross-check only)
+# ------------------------------------------------------------------------------------------------
+
+
+def _torch_peer(kind):
+    """The peer's chunk_gated_delta_rule (FLA's with the two settings its 0.6.0 needs here)."""
+    if kind == "fla":
+        import os
+
+        os.environ.setdefault("FLA_FLASH_QLA", "0")  # keep FLA on its own Triton kernels
+        import fla.ops.common.chunk_o as chunk_o
+
+        # FLA 0.6.0 refuses its gated backward on Triton < 3.7.1 on Hopper (its issue 640);
+        # the GPU machine has Triton 3.6. For timing only, never as a correctness reference.
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    else:
+        from flash_qla import chunk_gated_delta_rule
+    return chunk_gated_delta_rule
+
+
+def torch_arm(kind: str, opts: List[str]) -> Arm:
+    if opts:
+        raise ValueError(f"arm {kind}: takes no options, got {opts}")
+
+    def setup(wl, op, inputs):
+        try:
+            import torch
+
+            fn = _torch_peer(kind)
+        except Exception as e:  # noqa: BLE001
+            raise ArmUnavailable(f"{kind} not importable: {type(e).__name__}: {e}") from e
+        if not torch.cuda.is_available():
+            raise ArmUnavailable("torch sees no CUDA device")
+        if wl.layer:
+            raise ArmUnavailable("layer workloads are not wired for the torch peers")
+        act = torch.bfloat16 if wl.dtype == "bf16" else torch.float32
+        grad = op != "fwd"
+        t = lambda n, dt: torch.from_numpy(inputs[n]).to("cuda", dt)
+        args = [t(n, act).requires_grad_(grad) for n in ("q", "k", "v")]
+        args += [t(n, torch.float32).requires_grad_(grad) for n in ("g", "beta")]
+        cu = torch.from_numpy(inputs["cu_seqlens"].astype("int64")).to("cuda")
+        do = t("do", torch.float32)
+        layer = lambda *a: fn(*a, cu_seqlens=cu, use_qk_l2norm_in_kernel=wl.qk_l2norm)[0]
+
+        def call():
+            if op == "fwd":
+                with torch.no_grad():
+                    return [layer(*args)]
+            if op == "ckpt":
+                import torch.utils.checkpoint as ckpt
+
+                o = ckpt.checkpoint(layer, *args, use_reentrant=False)
+            else:
+                o = layer(*args)
+            loss = (o.float() * do).sum()
+            return [loss, *torch.autograd.grad(loss, args)]
+
+        try:
+            call()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            raise ArmUnavailable(f"{kind} failed: {type(e).__name__}: {e}") from e
+        return call
+
+    def sync(_res):
+        import torch
+
+        torch.cuda.synchronize()
+
+    def to_numpy(res):
+        return [x.detach().float().cpu().numpy() for x in res]
+
+    return Arm(name=kind, setup=setup, sync=sync, to_numpy=to_numpy, framework="torch",
+               options={"peer": kind})
+
+
 FACTORIES: Dict[str, Callable[[List[str]], Arm]] = {
     "xla": lambda opts: jax_arm("xla", opts),
     "cuda": lambda opts: jax_arm("cuda", opts),
-    # Later: "flashqla", "fla" (torch, same process; framework="torch").
+    "flashqla": lambda opts: torch_arm("flashqla", opts),  # FlashQLA 0.1.3 (TileLang)
+    "fla": lambda opts: torch_arm("fla", opts),  # flash-linear-attention 0.6.0 (Triton)
 }
 
 

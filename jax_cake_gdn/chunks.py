@@ -3,7 +3,8 @@
 Chunks restart at every segment start (a document on one device; a fragment or a segment of one
 under context parallelism) and never cross one. `bounds` is cu_seqlens-like (segment s holds
 tokens [bounds[s], bounds[s+1])) and may be traced: the table has static shapes, sized for the
-worst case of `len(bounds) - 1` segments, so new boundaries never retrace.
+worst case of `len(bounds) - 1` segments, so new boundaries never retrace. Lookups use
+searchsorted's compare_all method: no while loop in the lowered program.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def chunk_table(bounds, num_tokens: int) -> ChunkTable:
     off = off_end - nch
 
     c = jnp.arange(NC, dtype=jnp.int32)
-    seg_raw = jnp.searchsorted(off_end, c, side="right").astype(jnp.int32)
+    seg_raw = jnp.searchsorted(off_end, c, side="right", method="compare_all").astype(jnp.int32)
     used = seg_raw < S
     seg = jnp.minimum(seg_raw, S - 1)
     start = bounds[seg] + (c - off[seg]) * CHUNK
@@ -66,7 +67,8 @@ def chunk_table(bounds, num_tokens: int) -> ChunkTable:
     last = used & (c == off_end[seg] - 1)
 
     t = jnp.arange(T, dtype=jnp.int32)
-    tseg = jnp.minimum(jnp.searchsorted(bounds[1:], t, side="right"), S - 1).astype(jnp.int32)
+    tseg = jnp.searchsorted(bounds[1:], t, side="right", method="compare_all")
+    tseg = jnp.minimum(tseg, S - 1).astype(jnp.int32)
     rel = t - bounds[tseg]
     token_chunk = off[tseg] + rel // CHUNK
     token_pos = rel % CHUNK

@@ -80,7 +80,7 @@ def doc_positions(bounds, T):
     """Position of every token inside its document, for bounds [N + 1] over T tokens."""
     bounds = jnp.asarray(bounds).astype(jnp.int32)
     t = jnp.arange(T, dtype=jnp.int32)
-    doc = jnp.searchsorted(bounds[1:], t, side="right")
+    doc = jnp.searchsorted(bounds[1:], t, side="right", method="compare_all")
     return t - bounds[jnp.minimum(doc, bounds.shape[0] - 2)]
 
 

@@ -108,7 +108,7 @@ def main(argv=None):
     try:  # which primitive set backend=None / --backend resolves to (the library's own rule)
         from jax_cake_gdn import primitives as _prims
 
-        resolved = _prims.resolve(args.backend).name
+        resolved = _prims.resolve(args.backend, K=args.head_dim, V=args.head_dim).name
     except (ImportError, AttributeError):
         resolved = "?"
     except Exception as e:  # noqa: BLE001 - e.g. backend="cuda" without the extension

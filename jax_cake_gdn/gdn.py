@@ -83,7 +83,8 @@ _gdn_packed.defvjp(_forward, _backward)
 def _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state, save_mode, backend):
     d = check_gdn_inputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
                          initial_state=initial_state, save_mode=save_mode)
-    cfg = _Config(primitives.resolve(backend), float(d.K**-0.5 if scale is None else scale),
+    cfg = _Config(primitives.resolve(backend, K=d.K, V=d.V),
+                  float(d.K**-0.5 if scale is None else scale),
                   bool(qk_l2norm), save_mode)
     if cu_seqlens is None:
         bounds = np.arange(d.B + 1, dtype=np.int32) * d.T

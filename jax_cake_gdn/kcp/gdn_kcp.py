@@ -3,9 +3,9 @@
 Per rank (its layout slice of the packed token axis):
   1. units: each piece (layout.py) cut into P segments; local segments = units cut further at
      document starts (chunks restart at every segment start);
-  2. transfer walk: one `_gdn_packed` call on [v | 0] from the entry [0 | I] gives every unit's
-     affine summary (M_seg [K, K], B_seg [K, V]) at once (a document start inside a unit resets
-     both, so M_seg = 0 there);
+  2. transfer walks: two `_gdn_packed` calls give every unit's affine summary: B_seg [K, V] (v from
+     a zero entry) and M_seg [K, K] (zero values from the entry I); a document start inside a
+     unit resets both, so M_seg = 0 there;
   3. merge: units -> piece summaries (local), exchange (a2a or ring) -> piece carries, then
      piece carries -> unit carries (local);
   4. state walk + output: one `_gdn_packed` call with every segment's entry state.
@@ -43,7 +43,7 @@ def axis_size(axis_name) -> int:
 
 def doc_positions(gpos, cu):
     """In-document position of global token positions gpos, for global bounds cu."""
-    doc = jnp.searchsorted(cu[1:], gpos, side="right")
+    doc = jnp.searchsorted(cu[1:], gpos, side="right", method="compare_all")
     return gpos - cu[jnp.minimum(doc, cu.shape[0] - 2)]
 
 
@@ -70,10 +70,11 @@ def local_tables(pieces: Pieces, cu, P: int, T_l: int) -> LocalTables:
     bounds = jnp.concatenate([seg_start, jnp.array([T_l], jnp.int32)])
     nonempty = bounds[1:] > bounds[:-1]
     U = unit_start.shape[0]
-    seg_unit = jnp.minimum(jnp.searchsorted(unit_end, seg_start, side="right"), U - 1)
+    seg_unit = jnp.searchsorted(unit_end, seg_start, side="right", method="compare_all")
+    seg_unit = jnp.minimum(seg_unit, U - 1)
     first_of_unit = nonempty & (seg_start == unit_start[seg_unit])
     starts_doc = nonempty & doc_start[jnp.minimum(seg_start, T_l - 1)]
-    unit_last_seg = jnp.searchsorted(seg_start, unit_end, side="left") - 1
+    unit_last_seg = jnp.searchsorted(seg_start, unit_end, side="left", method="compare_all") - 1
     return LocalTables(bounds, seg_unit.astype(jnp.int32), first_of_unit & ~starts_doc,
                        jnp.maximum(unit_last_seg, 0).astype(jnp.int32), unit_end > unit_start)
 
@@ -119,7 +120,8 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
     N = check_cu_seqlens(cu_seqlens, 1, T_g)
     check_layout(layout, cu_seqlens, T_g, W)
     P = plan_kcp(T_l, d.HV, layout=layout, num_ranks=W, num_docs=N, segments=segments).P
-    cfg = _Config(primitives.resolve(backend), float(d.K**-0.5 if scale is None else scale),
+    cfg = _Config(primitives.resolve(backend, K=d.K, V=d.V),
+                  float(d.K**-0.5 if scale is None else scale),
                   bool(qk_l2norm), save_mode)
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
     r = jax.lax.axis_index(axis_name)
@@ -127,16 +129,20 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
     C, m = chains_and_m(layout, N)
     tab = local_tables(pieces, cu, P, T_l)
     ct = chunk_table(tab.seg_bounds, T_l)
+    S = ct.num_segments
     q, k, v, g, beta = (x.reshape((T_l,) + x.shape[2:]) for x in (q, k, v, g, beta))
     HV, K, V = d.HV, d.K, d.V
 
     def carries(q, k, v, g, beta):
-        # transfer walk: exit of [v | 0] from [0 | I] at each unit's first segment
-        v_aug = jnp.concatenate([v, jnp.zeros((T_l, HV, K), v.dtype)], axis=-1)
+        # transfer walks: B = exit from a zero entry; M = exit of [K x K] states from I with
+        # zero values (at each unit's first segment that continues a document; else 0)
+        cfg_t = cfg._replace(with_output=False)
+        _, exit_b = _gdn_packed(cfg_t, q, k, v, g, beta, jnp.zeros((S, HV, K, V), jnp.float32),
+                                ct)
         eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (HV, K, K))
-        entry = jnp.concatenate([jnp.zeros((HV, K, V), jnp.float32), eye], axis=-1)
-        h0 = jnp.where(_bcast(tab.takes_carry, entry[None]), entry[None], 0.0)
-        _, final = _gdn_packed(cfg._replace(with_output=False), q, k, v_aug, g, beta, h0, ct)
+        h0_m = jnp.where(_bcast(tab.takes_carry, eye[None]), eye[None], 0.0)
+        _, exit_m = _gdn_packed(cfg_t, q, k, jnp.zeros((T_l, HV, K), v.dtype), g, beta, h0_m, ct)
+        final = jnp.concatenate([exit_b, exit_m], axis=-1)
         fu = final[tab.unit_last_seg]
         ne = _bcast(tab.unit_nonempty, fu)
         # unit summaries, unit-major [P, pieces, HV, K, *]: the merges scan over P

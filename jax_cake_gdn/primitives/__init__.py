@@ -11,6 +11,7 @@ Signatures: see primitives/xla.py.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple
 
 from . import xla
@@ -32,16 +33,29 @@ XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.solve_a, xla.wy, x
                  xla.output, xla.walk_bwd, xla.chunk_bwd)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
-CUDA_KERNELS = ("gate_cumsum",)
+CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "output")
 BACKENDS = ("xla", "cuda")
 
 
+@functools.cache
 def _cuda_primitives() -> Primitives:
     from . import cuda
+
+    def output(q, k, G, h, v_new, rstd_q, rstd_k, ct, *, scale, out_dtype, with_scores=False):
+        return cuda.output(q, k, G, h, v_new, rstd_q, rstd_k, ct.start, ct.length, scale=scale,
+                           out_dtype=out_dtype, with_scores=with_scores)
 
     return XLA._replace(
         name="cuda",
         gate_cumsum=lambda g, ct: cuda.gate_cumsum(g, ct.start, ct.length),
+        l2norm_rstd=cuda.l2norm_rstd,
+        solve_a=lambda k, beta, G, rstd_k, ct: cuda.solve_a(k, beta, G, rstd_k, ct.start,
+                                                            ct.length),
+        wy=lambda k, v, beta, G, A, rstd_k, ct: cuda.wy(k, v, beta, G, A, rstd_k, ct.start,
+                                                        ct.length),
+        state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(
+            k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len),
+        output=output,
     )
 
 
@@ -52,16 +66,22 @@ def cuda_ready() -> bool:
     return cuda.available() and cuda.gpu_available()
 
 
-def resolve(backend: str | None) -> Primitives:
-    """Pick the primitive set: None -> cuda where the extension and a GPU exist, else xla."""
+def resolve(backend: str | None, *, K: int, V: int) -> Primitives:
+    """Pick the primitive set for head dims K (q/k) and V (v).
+
+    None: cuda where the extension and a GPU exist and the kernels support K and V
+    (`cuda.supports`), else xla. "cuda": the cuda set (RuntimeError, after a one-time warning,
+    when the extension is missing; ValueError naming K or V when the kernels lack them).
+    """
+    from . import cuda
+
     if backend is None:
-        return _cuda_primitives() if cuda_ready() else XLA
+        return _cuda_primitives() if cuda_ready() and cuda.supports(K, V) else XLA
     if backend == "xla":
         return XLA
     if backend == "cuda":
-        from . import cuda
-
-        if not cuda.available():
+        if not cuda.require():
             raise RuntimeError(f"backend='cuda' requested but {cuda.unavailable_reason()}")
+        cuda._check_dims("backend='cuda'", K=K, V=V)
         return _cuda_primitives()
     raise ValueError(f"backend must be None, 'xla' or 'cuda', got {backend!r}")

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import vma
+
 __all__ = [
     "available",
     "unavailable_reason",
@@ -28,6 +30,13 @@ __all__ = [
     "require",
     "target_names",
     "gate_cumsum",
+    "l2norm_rstd",
+    "solve_a",
+    "wy",
+    "state_walk",
+    "output",
+    "SUPPORTED_DIMS",
+    "supports",
 ]
 
 _TARGET_PREFIX = "jax_cake_gdn_"
@@ -131,43 +140,21 @@ def _ensure() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _vma(x) -> frozenset:
-    """The varying manual axes of x (empty outside shard_map or with check_vma=False)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "mat", None)  # jax 0.11: ManualAxisType; older jax: aval.vma
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
-def _vma_union(*xs) -> frozenset:
-    return frozenset().union(*(_vma(x) for x in xs))
-
-
-def _match_vma(vma: frozenset, *xs):
-    """Cast every input to vary over `vma` (ffi_call wants equal vma on all operands)."""
-    out = []
-    for x in xs:
-        missing = tuple(sorted(vma - _vma(x), key=str))
-        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-    return out
-
-
-def _result(shape, dtype, vma: frozenset) -> jax.ShapeDtypeStruct:
+def _result(shape, dtype, axes: frozenset) -> jax.ShapeDtypeStruct:
     """A result type varying over `vma` (jax 0.11: `manual_axis_type`, not `vma=`).
 
     A non-empty manual_axis_type needs the (abstract) mesh in the type, so the result gets the
     current mesh, unsharded over its non-manual axes: per-shard primitives never shard their
     outputs themselves.
     """
-    if not vma:
+    if not axes:
         return jax.ShapeDtypeStruct(shape, dtype)
     mesh = jax.sharding.get_abstract_mesh()
     return jax.ShapeDtypeStruct(
         shape,
         dtype,
         sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
-        manual_axis_type=jax.sharding.ManualAxisType(varying=vma),
+        manual_axis_type=jax.sharding.ManualAxisType(varying=axes),
     )
 
 
@@ -175,9 +162,9 @@ def _call(target: str, results, *args, **attrs):
     """ffi_call `jax_cake_gdn_<target>`; `results` is a list of (shape, dtype); inputs' vma is
     unified and carried by every result."""
     _ensure()
-    vma = _vma_union(*args)
-    args = _match_vma(vma, *args)
-    out_types = [_result(shape, dtype, vma) for shape, dtype in results]
+    axes = vma.union(*args)
+    args = [vma.cast(x, axes) for x in args]
+    out_types = [_result(shape, dtype, axes) for shape, dtype in results]
     fn = jax.ffi.ffi_call(_TARGET_PREFIX + target, out_types, vmap_method="sequential")
     return fn(*args, **attrs)
 
@@ -212,3 +199,179 @@ def gate_cumsum(g, chunk_start, chunk_len):
         f"gate_cumsum: chunk_start {chunk_start.shape} and chunk_len {chunk_len.shape} differ",
     )
     return _call("gate_cumsum", [(g.shape, jnp.float32)], g, chunk_start, chunk_len)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward kernels (cuda/prep.cu, state_walk.cu, output.cu, l2norm.cu). Interfaces follow
+# primitives/xla.py with the chunk table passed as arrays; intermediates (A, w, u, h, v_new) are
+# float32 exactly as there. q/k/v may be bfloat16 or float32 (same dtype); matrix products run on
+# bf16 tensor cores with float32 accumulation.
+# ------------------------------------------------------------------------------------------------
+
+SUPPORTED_DIMS = (64, 128)  # head dims K and V the forward kernels are instantiated for
+_CHUNK = 64
+_QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+_NO_RSTD = np.zeros((0,), np.float32)  # "no L2 norm" (a zero-size operand)
+
+
+def supports(K: int, V: int) -> bool:
+    """True when the cuda forward kernels handle head dims K (q/k) and V (v)."""
+    return int(K) in SUPPORTED_DIMS and int(V) in SUPPORTED_DIMS
+
+
+def _check_dims(fn: str, K: int | None = None, V: int | None = None) -> None:
+    if K is not None and int(K) not in SUPPORTED_DIMS:
+        raise ValueError(f"{fn}: K = {K} is not supported by the cuda kernels "
+                         f"(K must be one of {SUPPORTED_DIMS}); use backend='xla'")
+    if V is not None and int(V) not in SUPPORTED_DIMS:
+        raise ValueError(f"{fn}: V = {V} is not supported by the cuda kernels "
+                         f"(V must be one of {SUPPORTED_DIMS}); use backend='xla'")
+
+
+def _qkv(fn: str, name: str, x, rank: int = 3):
+    x = jnp.asarray(x)
+    _check(x.ndim == rank, f"{fn}: {name} must have rank {rank}, got shape {x.shape}")
+    _check(np.dtype(x.dtype) in _QKV_DTYPES,
+           f"{fn}: {name} must be bfloat16 or float32, got {x.dtype}")
+    return x
+
+
+def _f32(fn: str, name: str, x, shape):
+    x = jnp.asarray(x)
+    _check(x.dtype == np.float32, f"{fn}: {name} must be float32, got {x.dtype}")
+    _check(tuple(x.shape) == tuple(shape),
+           f"{fn}: {name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    return x
+
+
+def _i32(fn: str, name: str, x, n: int | None = None):
+    x = jnp.asarray(x)
+    _check(x.ndim == 1, f"{fn}: {name} must be int32[n], got shape {x.shape}")
+    _check(x.dtype == np.int32, f"{fn}: {name} must be int32, got {x.dtype}")
+    if n is not None:
+        _check(x.shape[0] == n, f"{fn}: {name} must have {n} entries, got {x.shape[0]}")
+    return x
+
+
+def _rstd(fn: str, name: str, r, T: int, H: int):
+    if r is None:
+        return jnp.asarray(_NO_RSTD)
+    return _f32(fn, name, r, (T, H))
+
+
+def _heads(fn: str, H: int, HV: int) -> None:
+    _check(HV % H == 0, f"{fn}: HV = {HV} must be a multiple of H = {H}")
+
+
+def _table(fn: str, chunk_start, chunk_len):
+    cs = _i32(fn, "chunk_start", chunk_start)
+    cl = _i32(fn, "chunk_len", chunk_len, cs.shape[0])
+    return cs, cl
+
+
+def l2norm_rstd(x):
+    """x [T, H, K] (bf16/f32) -> 1 / sqrt(sum x^2 + 1e-6), float32 [T, H]. Any K."""
+    x = _qkv("l2norm_rstd", "x", x)
+    return _call("l2norm_rstd", [(x.shape[:2], jnp.float32)], x)[0]
+
+
+def solve_a(k, beta, G, rstd_k, chunk_start, chunk_len):
+    """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1, float32 [NC, HV, 64, 64]."""
+    fn = "solve_a"
+    k = _qkv(fn, "k", k)
+    T, H, K = k.shape
+    _check_dims(fn, K=K)
+    G = jnp.asarray(G)
+    _check(G.ndim == 2 and G.shape[0] == T, f"{fn}: G must be float32 [T, HV], got {G.shape}")
+    HV = G.shape[1]
+    _heads(fn, H, HV)
+    G = _f32(fn, "G", G, (T, HV))
+    beta = _f32(fn, "beta", beta, (T, HV))
+    r = _rstd(fn, "rstd_k", rstd_k, T, H)
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    NC = cs.shape[0]
+    return _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.float32)], k, beta, G, r, cs, cl)[0]
+
+
+def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
+    """w = A diag(beta e^G) K [T, HV, K] and u = A diag(beta) V [T, HV, V], float32."""
+    fn = "wy"
+    k = _qkv(fn, "k", k)
+    v = _qkv(fn, "v", v)
+    T, H, K = k.shape
+    _check(v.shape[0] == T, f"{fn}: v must be [T, HV, V] with T = {T}, got {v.shape}")
+    _check(v.dtype == k.dtype, f"{fn}: v must have k's dtype {k.dtype}, got {v.dtype}")
+    HV, V = v.shape[1], v.shape[2]
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    beta = _f32(fn, "beta", beta, (T, HV))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    NC = cs.shape[0]
+    A = _f32(fn, "A", A, (NC, HV, _CHUNK, _CHUNK))
+    r = _rstd(fn, "rstd_k", rstd_k, T, H)
+    w, u = _call(fn, [((T, HV, K), jnp.float32), ((T, HV, V), jnp.float32)],
+                 k, v, beta, G, A, r, cs, cl)
+    return w, u
+
+
+def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len):
+    """Walk each segment's chunks in order from its entry state h0 [S, HV, K, V].
+
+    Returns h [NC, HV, K, V] (the state entering each chunk), v_new [T, HV, V] and the exit state
+    of each segment [S, HV, K, V] (h0 itself for an empty segment), all float32.
+    """
+    fn = "state_walk"
+    k = _qkv(fn, "k", k)
+    T, H, K = k.shape
+    u = jnp.asarray(u)
+    _check(u.ndim == 3 and u.shape[0] == T, f"{fn}: u must be float32 [T, HV, V], got {u.shape}")
+    HV, V = u.shape[1], u.shape[2]
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    u = _f32(fn, "u", u, (T, HV, V))
+    w = _f32(fn, "w", w, (T, HV, K))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    NC = cs.shape[0]
+    sl = _i32(fn, "seg_len", seg_len)
+    S = sl.shape[0]
+    sf = _i32(fn, "seg_first", seg_first, S)
+    sla = _i32(fn, "seg_last", seg_last, S)
+    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
+    r = _rstd(fn, "rstd_k", rstd_k, T, H)
+    return tuple(_call(fn, [((NC, HV, K, V), jnp.float32), ((T, HV, V), jnp.float32),
+                            ((S, HV, K, V), jnp.float32)],
+                       k, w, u, G, h0, r, cs, cl, sf, sla, sl))
+
+
+def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
+           out_dtype, with_scores: bool = False):
+    """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att [NC, HV, 64, 64] f32 if asked
+    (else None)."""
+    fn = "output"
+    q = _qkv(fn, "q", q)
+    k = _qkv(fn, "k", k)
+    T, H, K = q.shape
+    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
+    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
+    v_new = jnp.asarray(v_new)
+    _check(v_new.ndim == 3 and v_new.shape[0] == T,
+           f"{fn}: v_new must be float32 [T, HV, V], got {v_new.shape}")
+    HV, V = v_new.shape[1], v_new.shape[2]
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    v_new = _f32(fn, "v_new", v_new, (T, HV, V))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    NC = cs.shape[0]
+    h = _f32(fn, "h", h, (NC, HV, K, V))
+    rq = _rstd(fn, "rstd_q", rstd_q, T, H)
+    rk = _rstd(fn, "rstd_k", rstd_k, T, H)
+    out_dtype = np.dtype(out_dtype)
+    _check(out_dtype in _QKV_DTYPES,
+           f"{fn}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    s_shape = (NC, HV, _CHUNK, _CHUNK) if with_scores else (0,)
+    o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.float32)],
+                      q, k, G, h, v_new, rq, rk, cs, cl, scale=np.float32(scale))
+    return o, (scores if with_scores else None)

@@ -1,0 +1,92 @@
+// Host-side argument checks shared by the forward handlers (prep.cu, state_walk.cu, output.cu).
+// Each returns an empty string when the argument is fine, else the message for JCG_CHECK_ARG.
+#pragma once
+
+#include <string>
+
+#include "fwd_common.cuh"
+
+namespace jax_cake_gdn {
+
+inline bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
+  if (d.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t x : want)
+    if (d[i++] != x) return false;
+  return true;
+}
+
+// q / k [T, H, K] (bf16 or f32) with a supported K.
+inline std::string check_qk(const char* name, const ffi::AnyBuffer& x) {
+  const auto d = x.dimensions();
+  if (d.size() != 3) return std::string(name) + " must be [T, H, K], got shape " + dims_str(d);
+  if (x.element_type() != ffi::DataType::BF16 && x.element_type() != ffi::DataType::F32)
+    return std::string(name) + " must be bfloat16 or float32, got " + dtype_name(x.element_type());
+  if (!head_dim_supported(d[2]))
+    return std::string(name) + ": K = " + std::to_string(d[2]) +
+           " is not supported by the cuda kernels (K must be 64 or 128)";
+  if (d[1] <= 0) return std::string(name) + ": H must be positive";
+  return {};
+}
+
+// An f32 per-token array [T, n].
+inline std::string check_th(const char* name, ffi::Span<const int64_t> d, int64_t T, int64_t n) {
+  if (!dims_are(d, {T, n}))
+    return std::string(name) + " must be f32[" + std::to_string(T) + ", " + std::to_string(n) +
+           "], got shape " + dims_str(d);
+  return {};
+}
+
+// Optional rstd: f32[T, H], or f32[0] for "no L2 norm". Sets `present`.
+inline std::string check_rstd(const char* name, ffi::Span<const int64_t> d, int64_t T, int64_t H,
+                              bool& present) {
+  present = !(d.size() == 1 && d[0] == 0);
+  if (present && !dims_are(d, {T, H}))
+    return std::string(name) + " must be f32[" + std::to_string(T) + ", " + std::to_string(H) +
+           "] or f32[0] (no L2 norm), got shape " + dims_str(d);
+  return {};
+}
+
+inline std::string check_table(ffi::Span<const int64_t> start, ffi::Span<const int64_t> len) {
+  if (start.size() != 1) return "chunk_start must be int32[NC], got shape " + dims_str(start);
+  if (len.size() != 1 || len[0] != start[0])
+    return "chunk_len must match chunk_start " + dims_str(start) + ", got " + dims_str(len);
+  if (start[0] >= (int64_t{1} << 31)) return "too many chunks";
+  return {};
+}
+
+inline std::string check_heads(int64_t H, int64_t HV) {
+  if (HV <= 0 || H <= 0 || HV % H != 0)
+    return "HV = " + std::to_string(HV) + " must be a positive multiple of H = " +
+           std::to_string(H);
+  if (HV >= 65536) return "HV too large: " + std::to_string(HV);
+  return {};
+}
+
+inline std::string check_v(int64_t V) {
+  if (!head_dim_supported(V))
+    return "V = " + std::to_string(V) +
+           " is not supported by the cuda kernels (V must be 64 or 128)";
+  return {};
+}
+
+#define JCG_CHECK_MSG(expr)                       \
+  do {                                            \
+    const std::string jcg_msg_ = (expr);          \
+    JCG_CHECK_ARG(jcg_msg_.empty(), jcg_msg_);    \
+  } while (0)
+
+// Raise a kernel's dynamic shared-memory limit, then launch it (no host sync, capturable).
+template <typename Kernel, typename... Args>
+inline cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cudaStream_t stream,
+                          Args... args) {
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  kernel<<<grid, threads, smem, stream>>>(args...);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_cake_gdn

@@ -1,0 +1,335 @@
+// Device helpers shared by the forward kernel families (prep, state_walk, output, l2norm).
+//
+// Tensor-core work uses mma.sync.m16n8k16 (bf16 x bf16 -> f32) fed by ldmatrix from padded
+// shared-memory tiles (rows of D + 8 bf16: 16-byte aligned and bank-conflict free for ldmatrix).
+// Fragment conventions (PTX ISA, "Matrix Fragments for mma.m16n8k16"), with g = lane / 4 and
+// q = lane % 4:
+//   A (16 x 16, row major): a0 = (g, 2q..2q+1), a1 = (g+8, 2q..), a2 = (g, 8+2q..),
+//                           a3 = (g+8, 8+2q..)
+//   B (16 x 8):             b0 = (k = 2q..2q+1, n = g), b1 = (k = 8+2q.., n = g)
+//   C (16 x 8, f32):        c0, c1 = (g, 2q), (g, 2q+1);  c2, c3 = (g+8, 2q), (g+8, 2q+1)
+// A C fragment pair (n-tiles 2s, 2s+1) is the A fragment of k-step s (the flash-attention trick),
+// and a C fragment of X^T is the B fragment of X (state_walk keeps S^T so that S feeds an mma
+// straight from registers).
+//
+// Input element types: bf16 (__nv_bfloat16) or f32, selected by template; every accumulation is
+// f32. Host-side dispatch helpers (dtype, head dim) are at the end.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common.cuh"
+
+namespace jax_cake_gdn {
+
+using bf16 = __nv_bfloat16;
+
+// ---------------------------------------------------------------- PTX wrappers
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_u32(p)));
+}
+
+// d += a * b  (m16n8k16, bf16 inputs, f32 accumulators)
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16-byte async copy global -> shared; when !pred nothing is read and the 16 bytes are zeroed.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(pred ? 16 : 0)
+               : "memory");
+}
+
+// 4-byte async copy (zero fill when !pred).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(pred ? 4 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// ---------------------------------------------------------------- conversions
+
+// Two floats -> bf16x2 in one register (lo in the low half: the lower k / column index).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// 8 consecutive elements (16-byte aligned) -> float[8]; read-only path.
+__device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+__device__ __forceinline__ void load8(const bf16* p, float (&f)[8]) {
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
+// The same from shared memory (plain loads).
+__device__ __forceinline__ void lds8(const float* p, float (&f)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0];
+  const float4 b = reinterpret_cast<const float4*>(p)[1];
+  f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+  f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+}
+
+__device__ __forceinline__ void lds8(const bf16* p, float (&f)[8]) {
+  const uint4 v = *reinterpret_cast<const uint4*>(p);
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
+// float[8] * s -> 8 bf16 in one 16-byte shared store.
+__device__ __forceinline__ void sts8_bf16(bf16* p, const float (&f)[8], float s) {
+  uint4 v;
+  v.x = pack_bf16(f[0] * s, f[1] * s);
+  v.y = pack_bf16(f[2] * s, f[3] * s);
+  v.z = pack_bf16(f[4] * s, f[5] * s);
+  v.w = pack_bf16(f[6] * s, f[7] * s);
+  *reinterpret_cast<uint4*>(p) = v;
+}
+
+__device__ __forceinline__ void sts8_zero(bf16* p) {
+  *reinterpret_cast<uint4*>(p) = make_uint4(0u, 0u, 0u, 0u);
+}
+
+// Two adjacent output elements (8- or 4-byte aligned) in the output type.
+__device__ __forceinline__ void store2(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+
+__device__ __forceinline__ void store2(bf16* p, float a, float b) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(a, b);
+}
+
+// ---------------------------------------------------------------- tile loads
+
+// A Rows x D tile into shared memory as bf16 (pitch ld): row t < len is src[t*row_stride + col]
+// times scale(t); rows t >= len are zero. Each thread issues up to NB 8-element loads (from
+// clamped, always valid rows, with no branch between them) before it stores any, so NB loads per
+// thread are in flight at once; batches run one after another. len must be >= 1.
+template <int Rows, int D, int NB, int Threads, typename In, typename Scale>
+__device__ __forceinline__ void load_tile_bf16(bf16* dst, int ld, const In* src,
+                                               int64_t row_stride, int len, Scale scale) {
+  constexpr int kVpr = D / 8, kTotal = Rows * kVpr, kPer = kTotal / Threads;
+  constexpr int kNB = NB < kPer ? NB : kPer;  // loads per batch
+  static_assert(kTotal % Threads == 0 && kPer % kNB == 0, "tile does not split evenly");
+  const int tid = threadIdx.x;
+#pragma unroll 1
+  for (int b0 = 0; b0 < kPer; b0 += kNB) {
+    float f[kNB][8];
+    float s[kNB];
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      const int idx = tid + (b0 + j) * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+      const int tt = min(t, len - 1);
+      load8(src + tt * row_stride + c8, f[j]);
+      s[j] = scale(tt);
+    }
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      const int idx = tid + (b0 + j) * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+      if (t < len) {
+        sts8_bf16(dst + t * ld + c8, f[j], s[j]);
+      } else {
+        sts8_zero(dst + t * ld + c8);
+      }
+    }
+  }
+}
+
+struct ScaleOne {
+  __device__ __forceinline__ float operator()(int) const { return 1.f; }
+};
+
+// rstd of token row start + t of head hk (1 without L2 norm).
+struct ScaleRstd {
+  const float* rstd;
+  int64_t start;
+  int H, hk;
+  __device__ __forceinline__ float operator()(int t) const {
+    return rstd != nullptr ? __ldg(rstd + (start + t) * H + hk) : 1.f;
+  }
+};
+
+// ---------------------------------------------------------------- warp-level tile products
+
+// A fragment of rows [0, 16) x cols [0, 16) of a row-major bf16 tile (p at its [0][0]).
+__device__ __forceinline__ void lda_rm(uint32_t (&a)[4], const bf16* p, int ld) {
+  const int lane = threadIdx.x & 31;
+  ldsm_x4(a, p + (lane & 15) * ld + (lane >> 4) * 8);
+}
+
+// A fragment of X = M^T, where M is a row-major bf16 tile (p at M[k0][m0]): A[m][k] = M[k][m].
+__device__ __forceinline__ void lda_tr(uint32_t (&a)[4], const bf16* p, int ld) {
+  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+  ldsm_x4_t(a, p + (r + (i >> 1) * 8) * ld + (i & 1) * 8);
+}
+
+// acc[16 x 8NT] += A[16 x 16KS] * B, B[k][n] = M[k][n] with M row-major in shared memory
+// (p at M[0][0]; k rows, n contiguous): "A times a row-major matrix".
+template <int KS, int NT>
+__device__ __forceinline__ void mma_rm(float (&acc)[NT][4], const uint32_t (&a)[KS][4],
+                                       const bf16* p, int ld) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      ldsm_x4_t(b, p + (16 * ks + r + (i & 1) * 8) * ld + 16 * np + (i >> 1) * 8);
+      mma_bf16(acc[2 * np], a[ks], b[0], b[1]);
+      mma_bf16(acc[2 * np + 1], a[ks], b[2], b[3]);
+    }
+  }
+}
+
+// acc[16 x 8NT] += A[16 x 16KS] * M^T, M row-major [n][k] in shared memory (p at M[0][0]):
+// "A times the transpose of a row-major matrix" (Q K^T, K K^T).
+template <int KS, int NT>
+__device__ __forceinline__ void mma_rt(float (&acc)[NT][4], const uint32_t (&a)[KS][4],
+                                       const bf16* p, int ld) {
+  static_assert(NT % 2 == 0, "n-tiles come in pairs");
+  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      uint32_t b[4];
+      ldsm_x4(b, p + (16 * np + r + (i >> 1) * 8) * ld + 16 * ks + (i & 1) * 8);
+      mma_bf16(acc[2 * np], a[ks], b[0], b[1]);
+      mma_bf16(acc[2 * np + 1], a[ks], b[2], b[3]);
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+}
+
+// ---------------------------------------------------------------- chunk bounds
+
+// Tokens [start, start + len) of chunk c, clamped to the buffer (a malformed table then gives
+// wrong values that poison shows, never an out-of-bounds access). len == 0: unused chunk.
+struct ChunkSpan {
+  int64_t start;
+  int len;
+};
+
+__device__ __forceinline__ ChunkSpan chunk_span(const int32_t* cstart, const int32_t* clen,
+                                                int c, int64_t num_tokens) {
+  ChunkSpan s;
+  s.start = cstart[c];
+  int len = min(max(clen[c], 0), kChunk);
+  if (s.start < 0 || s.start >= num_tokens) len = 0;
+  s.len = static_cast<int>(min(static_cast<int64_t>(len), num_tokens - max(s.start, int64_t{0})));
+  if (s.len <= 0) {
+    s.len = 0;
+    s.start = 0;
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------- host-side dispatch
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<bf16>{}) or f(TypeTag<float>{}); false for any other dtype.
+template <typename F>
+inline bool dispatch_float_type(ffi::DataType dt, F&& f) {
+  switch (dt) {
+    case ffi::DataType::BF16:
+      f(TypeTag<bf16>{});
+      return true;
+    case ffi::DataType::F32:
+      f(TypeTag<float>{});
+      return true;
+    default:
+      return false;
+  }
+}
+
+// Head dims the forward kernels are instantiated for (primitives/cuda.py: SUPPORTED_DIMS).
+inline bool head_dim_supported(int64_t d) { return d == 64 || d == 128; }
+
+// Calls f(std::integral_constant<int, D>{}) for D in {64, 128}.
+template <typename F>
+inline bool dispatch_head_dim(int64_t d, F&& f) {
+  if (d == 64) {
+    f(std::integral_constant<int, 64>{});
+    return true;
+  }
+  if (d == 128) {
+    f(std::integral_constant<int, 128>{});
+    return true;
+  }
+  return false;
+}
+
+inline const char* dtype_name(ffi::DataType dt) {
+  switch (dt) {
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::F64:
+      return "float64";
+    default:
+      return "an unsupported dtype";
+  }
+}
+
+}  // namespace jax_cake_gdn

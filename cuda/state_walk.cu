@@ -1,0 +1,99 @@
+// FFI handler of the state walk (kernel in state_walk.cuh):
+//
+//   jax_cake_gdn_state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
+//                           seg_len) -> h f32[NC, HV, K, V], v_new f32[T, HV, V],
+//                                       final f32[S, HV, K, V]
+//
+// k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; u f32[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
+// rstd_k f32[T, H] or f32[0]; chunk table int32 (chunks.py). K, V in {64, 128}.
+#include "fwd_args.cuh"
+#include "state_walk.cuh"
+
+#define JCG_HANDLER_NAME "jax_cake_gdn_state_walk"
+
+namespace jax_cake_gdn {
+namespace {
+
+ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::F32> w,
+                           ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> G,
+                           ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> rstd_k,
+                           ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                           ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
+                           ffi::Buffer<ffi::S32> seg_len, ffi::ResultBuffer<ffi::F32> h,
+                           ffi::ResultBuffer<ffi::F32> v_new,
+                           ffi::ResultBuffer<ffi::F32> final_state) {
+  JCG_CHECK_MSG(check_qk("k", k));
+  const auto kd = k.dimensions();
+  const int64_t T = kd[0], H = kd[1], K = kd[2];
+  const auto ud = u.dimensions();
+  JCG_CHECK_ARG(ud.size() == 3 && ud[0] == T, "u must be f32[T, HV, V], got shape " + dims_str(ud));
+  const int64_t HV = ud[1], V = ud[2];
+  JCG_CHECK_MSG(check_heads(H, HV));
+  JCG_CHECK_MSG(check_v(V));
+  JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
+                "w must be f32[T, HV, K], got shape " + dims_str(w.dimensions()));
+  JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
+  bool has_rstd = false;
+  JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rstd));
+  JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
+  const int64_t NC = chunk_start.dimensions()[0];
+  const auto sd = seg_len.dimensions();
+  JCG_CHECK_ARG(sd.size() == 1 && sd[0] >= 1,
+                "seg_len must be int32[S], got shape " + dims_str(sd));
+  const int64_t S = sd[0];
+  JCG_CHECK_ARG(seg_first.dimensions() == sd && seg_last.dimensions() == sd,
+                "seg_first, seg_last must match seg_len " + dims_str(sd));
+  JCG_CHECK_ARG(S * HV * (V / kWalkVT) < (int64_t{1} << 31), "S * HV too large");
+  JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
+                "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions()));
+  JCG_CHECK_ARG(dims_are(h->dimensions(), {NC, HV, K, V}),
+                "h must be f32[NC, HV, K, V], got shape " + dims_str(h->dimensions()));
+  JCG_CHECK_ARG(dims_are(v_new->dimensions(), {T, HV, V}),
+                "v_new must be f32[T, HV, V], got shape " + dims_str(v_new->dimensions()));
+  JCG_CHECK_ARG(dims_are(final_state->dimensions(), {S, HV, K, V}),
+                "final must be f32[S, HV, K, V], got shape " + dims_str(final_state->dimensions()));
+
+  JCG_CHECK_CUDA(poison(stream, *h));
+  JCG_CHECK_CUDA(poison(stream, *v_new));
+  JCG_CHECK_CUDA(poison(stream, *final_state));
+  cudaError_t err = cudaSuccess;
+  dispatch_float_type(k.element_type(), [&](auto tag) {
+    using In = typename decltype(tag)::type;
+    dispatch_head_dim(K, [&](auto kdim) {
+      constexpr int KD = decltype(kdim)::value;
+      const dim3 grid(static_cast<unsigned>(S * HV * (V / kWalkVT)));
+      err = launch(state_walk_kernel<In, KD>, grid, kWalkThreads, WalkSmem<In, KD>::bytes, stream,
+                   static_cast<const In*>(k.untyped_data()), w.typed_data(), u.typed_data(),
+                   G.typed_data(), h0.typed_data(),
+                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                   chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
+                   seg_last.typed_data(), seg_len.typed_data(), h->typed_data(),
+                   v_new->typed_data(), final_state->typed_data(), T, static_cast<int>(H),
+                   static_cast<int>(HV), static_cast<int>(V), static_cast<int>(NC));
+    });
+  });
+  JCG_CHECK_CUDA(err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_cake_gdn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // u
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // h
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
+                              {xla::ffi::Traits::kCmdBufferCompatible});
