@@ -110,6 +110,35 @@ def check_gdn_inputs(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, save
     return Dims(B, T, H, HV, K, V, N)
 
 
+def check_gate_options(g, beta, *, use_gate_in_kernel: bool, A_log, dt_bias,
+                       use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool) -> None:
+    """ValueError / TypeError naming the argument for inconsistent or malformed gate options.
+
+    g and beta are the (already checked) [B, T, HV] inputs; HV is read from g's last axis.
+    Follows flash-linear-attention: A_log is required with the flag, dt_bias is optional.
+    """
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("A_log must be given (float32 [HV]) when use_gate_in_kernel=True")
+    else:
+        for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+            if x is not None:
+                raise ValueError(f"{name} is only used with use_gate_in_kernel=True (then g is the "
+                                 "raw gate input); without the flag g is already the log decay")
+    if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
+        raise ValueError("allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True "
+                         "(beta = 2 * sigmoid(beta_raw), as in flash-linear-attention)")
+    HV = g.shape[-1]
+    for name, x in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if x is None:
+            continue
+        _array(name, x)
+        if tuple(x.shape) != (HV,):
+            raise ValueError(f"{name} must have shape [HV] = {(HV,)}, got {tuple(x.shape)}")
+        if x.dtype != jnp.float32:
+            raise TypeError(f"{name} must be float32, got {x.dtype}")
+
+
 def poison_if_bad_bounds(o, cu_seqlens, T, multiple: int = 1):
     """o, or NaN everywhere when traced cu_seqlens break the rules checked above for concrete ones
     (start 0, non-decreasing, last == T, lengths multiples of `multiple`): never silently wrong."""

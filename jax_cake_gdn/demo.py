@@ -1,14 +1,17 @@
 """A jitted GDN training step on random packed documents: `python -m jax_cake_gdn.demo`.
 
-One layer: x [1, T, D] -> projections to q, k, v (one packed q|k|v matrix), g (log-sigmoid, <= 0)
-and beta (sigmoid) -> short causal conv (SiLU) over the packed q/k/v channels -> gdn with
-qk_l2norm -> output projection -> MSE against a random target; `jax.value_and_grad` and an SGD
-update, all in one jitted step. `cu_seqlens` is a traced argument of fixed capacity (--docs + 1):
-every step draws new uneven document lengths and the step compiles once.
+One Flax NNX `jax_cake_gdn.layers.GatedDeltaNet` layer (the Qwen3-Next / FLA layer shape):
+x [1, T, D] -> q/k/v projections -> short causal conv (SiLU) over the packed q|k|v channels ->
+gate g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) -> gdn with qk_l2norm -> gated
+RMSNorm -> output projection -> MSE against a random target; `jax.value_and_grad` and an SGD
+update of the layer's parameters (nnx.split / nnx.merge), all in one jitted step. `cu_seqlens` is
+a traced argument of fixed capacity (--docs + 1): every step draws new uneven document lengths
+and the step compiles once.
 
 On the first step the gdn output of one short document is checked against the float64 oracle
-(`jax_cake_gdn.reference.gdn_reference`); the demo exits non-zero when the relative RMS error is
-above 1e-2 (bf16) or 1e-4 (f32). Tokens/s excludes the first (compiling) step.
+(`jax_cake_gdn.reference.gdn_reference`) on exactly the inputs the layer gives gdn
+(`GatedDeltaNet.gdn_inputs`); the demo exits non-zero when the relative RMS error is above 1e-2
+(bf16) or 1e-4 (f32). Tokens/s excludes the first (compiling) step.
 
     python -m jax_cake_gdn.demo --tokens 2048 --docs 4 --heads 2,4 --head-dim 64 --steps 5
 """
@@ -34,7 +37,7 @@ def parse_args(argv=None):
     p.add_argument("--conv-width", type=int, default=4)
     p.add_argument("--dtype", choices=("bf16", "f32"), default="bf16")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate")
     p.add_argument("--backend", choices=("xla", "cuda"), default=None,
                    help="gdn/short_conv backend (default: the library's choice)")
     p.add_argument("--seed", type=int, default=0)
@@ -96,13 +99,13 @@ def main(argv=None):
 
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     import jax_cake_gdn as jcg
+    from jax_cake_gdn.layers import GatedDeltaNet
     from jax_cake_gdn.reference import gdn_reference
 
     T, N, H, HV, K, D, W = args.tokens, args.docs, args.H, args.HV, args.head_dim, args.d_model, args.conv_width
-    V = K
-    HK, C = H * K, 2 * H * K + HV * K
     dt = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
     dev = jax.devices()[0]
     try:  # which primitive set backend=None / --backend resolves to (the library's own rule)
@@ -117,53 +120,36 @@ def main(argv=None):
     print(f"device: {dev.platform} ({dev.device_kind}); backend: {args.backend or 'default'} -> {resolved}; "
           f"T={T} docs={N} heads=({H},{HV}) K=V={K} d_model={D} dtype={args.dtype} steps={args.steps}")
 
-    # ---- parameters (float32) and data ----
-    key = jax.random.PRNGKey(args.seed)
-    ks = jax.random.split(key, 8)
-    params = {
-        "w_qkv": jax.random.normal(ks[0], (D, C), jnp.float32) * D**-0.5,
-        "conv_w": jax.random.normal(ks[1], (C, W), jnp.float32) * W**-0.5,
-        "w_g": jax.random.normal(ks[2], (D, HV), jnp.float32) * D**-0.5,
-        "b_g": jnp.full((HV,), 3.0, jnp.float32),  # log-sigmoid(3) ~ -0.05: slow decay
-        "w_beta": jax.random.normal(ks[3], (D, HV), jnp.float32) * D**-0.5,
-        "w_o": jax.random.normal(ks[4], (HV * V, D), jnp.float32) * (HV * V) ** -0.5,
-    }
-    x = jax.random.normal(ks[5], (1, T, D), jnp.float32).astype(dt)
-    target = jax.random.normal(ks[6], (1, T, D), jnp.float32)
+    # ---- the layer (float32 parameters, `dtype` activations) and data ----
+    layer = GatedDeltaNet(D, num_heads=H, num_v_heads=HV, head_k_dim=K, head_v_dim=K,
+                          conv_size=W, dtype=dt, backend=args.backend,
+                          rngs=nnx.Rngs(args.seed))
+    graphdef, params = nnx.split(layer)  # params: a pytree (nnx.State) the jitted step updates
+    n_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(params))
+    print(f"layer: GatedDeltaNet(hidden={D}, heads=({H},{HV}), K=V={K}, conv {W}), "
+          f"{n_params:,} parameters")
+    ks = jax.random.split(jax.random.PRNGKey(args.seed + 1), 2)
+    x = jax.random.normal(ks[0], (1, T, D), jnp.float32).astype(dt)
+    target = jax.random.normal(ks[1], (1, T, D), jnp.float32)
     rng = np.random.default_rng(args.seed)
 
     R = args.cp
-    Tl = T // R  # tokens per rank (all of them without CP)
-    cp = dict(axis_name="cp", layout=args.layout) if R > 1 else {}
+    cp = dict(axis_name="cp", layout=args.layout) if R > 1 else dict(axis_name=None)
     unit = 2 * R if (R > 1 and args.layout == "doc_zigzag") else 1
 
-    def gdn_inputs(p, x, cu):
-        qkv = x @ p["w_qkv"].astype(dt)
-        qkv = jcg.short_conv(qkv, p["conv_w"].astype(dt), cu_seqlens=cu, activation="silu",
-                             backend=args.backend, **cp)
-        q = qkv[..., :HK].reshape(1, Tl, H, K)
-        k = qkv[..., HK:2 * HK].reshape(1, Tl, H, K)
-        v = qkv[..., 2 * HK:].reshape(1, Tl, HV, V)
-        xf = x.astype(jnp.float32)
-        g = jax.nn.log_sigmoid(xf @ p["w_g"] + p["b_g"])
-        beta = jax.nn.sigmoid(xf @ p["w_beta"])
-        return q, k, v, g, beta
-
-    def layer(p, x, cu):
-        q, k, v, g, beta = gdn_inputs(p, x, cu)
-        op = jcg.gdn_kcp if R > 1 else jcg.gdn
-        o = op(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=True, backend=args.backend, **cp)
-        return o, (q, k, v, g, beta)
+    def gdn_probe(p, x, cu):  # what the layer hands gdn, and what gdn returns
+        m = nnx.merge(graphdef, p)
+        ins = m.gdn_inputs(x, cu, **cp)
+        return m.gdn_output(*ins, cu_seqlens=cu, **cp), ins
 
     def loss_fn(p, x, target, cu):
-        o, _ = layer(p, x, cu)
-        y = o.reshape(1, Tl, HV * V) @ p["w_o"].astype(dt)
+        y = nnx.merge(graphdef, p)(x, cu_seqlens=cu, **cp)
         sq = jnp.sum((y.astype(jnp.float32) - target) ** 2)
         return (jax.lax.psum(sq, "cp") if R > 1 else sq) / (T * D)
 
     def step(p, x, target, cu):
         loss, grads = jax.value_and_grad(loss_fn)(p, x, target, cu)  # CP: grads summed by JAX
-        return jax.tree_util.tree_map(lambda a, b: a - args.lr * b, p, grads), loss
+        return jax.tree.map(lambda a, b: a - args.lr * b, p, grads), loss
 
     if R > 1:  # one mesh axis over R devices; tokens in layout order, sharded over it
         from jax.sharding import NamedSharding
@@ -177,7 +163,7 @@ def main(argv=None):
         tok, rep = NamedSharding(mesh, P(None, "cp")), NamedSharding(mesh, P())
         step = jax.shard_map(step, mesh=mesh, in_specs=(P(), P(None, "cp"), P(None, "cp"), P()),
                              out_specs=(P(), P()))
-        probe_fn = jax.shard_map(layer, mesh=mesh, in_specs=(P(), P(None, "cp"), P()),
+        probe_fn = jax.shard_map(gdn_probe, mesh=mesh, in_specs=(P(), P(None, "cp"), P()),
                                  out_specs=P(None, "cp"))
         place = lambda a, cu: jax.device_put(jcg.to_layout(a, cu, args.layout, R), tok)
         unplace = lambda a, cu: np.asarray(jcg.from_layout(a, cu, args.layout, R))
@@ -186,7 +172,7 @@ def main(argv=None):
     else:
         place = unplace = lambda a, cu: a
         replicated = lambda a: a
-        probe_fn = layer
+        probe_fn = gdn_probe
     print(f"context parallel: {R} ranks, layout {args.layout}" if R > 1 else
           "context parallel: off (--cp 1)")
 

@@ -13,6 +13,7 @@ from jax.ad_checkpoint import checkpoint_name
 from . import primitives
 from .checks import check_gdn_inputs, poison_if_bad_bounds
 from .chunks import ChunkTable, chunk_table
+from .gates import GATE_OPTIONS, apply_options, saved_layout_gates
 from .primitives import Primitives
 
 __all__ = ["gdn", "saved_layout", "saved_bytes"]
@@ -104,15 +105,21 @@ def _packed_args(d, q, k, v, g, beta, h0, bounds):
     return pack(q), pack(k), pack(v), pack(g), pack(beta), h0, chunk_table(bounds, d.B * d.T)
 
 
-def gdn(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False, initial_state=None,
-        output_final_state=False, save_mode="light", deterministic=False, backend=None):
+def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+        cu_seqlens: jax.Array | None = None, scale: float | None = None, qk_l2norm: bool = False,
+        initial_state: jax.Array | None = None, output_final_state: bool = False,
+        save_mode: str = "light", deterministic: bool = False, backend: str | None = None,
+        use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
+        dt_bias: jax.Array | None = None, use_beta_sigmoid_in_kernel: bool = False,
+        allow_neg_eigval: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Gated DeltaNet, chunked (C = 64), differentiable in every input.
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;  o_t = scale * S_t^T q_t.
 
     Args:
       q, k: [B, T, H, K] bfloat16 or float32.  v: [B, T, HV, V], same dtype (HV % H == 0).
-      g: [B, T, HV] float32 log decay (<= 0).  beta: [B, T, HV] float32 in (0, 1).
+      g: [B, T, HV] float32 log decay (<= 0), or the raw gate input with use_gate_in_kernel.
+      beta: [B, T, HV] float32 in (0, 1), or raw logits with use_beta_sigmoid_in_kernel.
       cu_seqlens: optional int32 [N + 1] document bounds over T (then B == 1); may be traced, so a
         jitted step does not retrace when boundaries change (repeat the last entry for empty
         documents up to a fixed capacity). Documents never exchange state. Concrete bounds are
@@ -129,6 +136,14 @@ def gdn(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False, initi
       backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
         "cuda". Under "cuda" only the primitives in `primitives.CUDA_KERNELS` are CUDA kernels
         today; the others run the xla implementation.
+      use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: the gate
+        options of flash-linear-attention's `chunk_gated_delta_rule`, same names and meaning
+        (see `jax_cake_gdn.gates`). use_gate_in_kernel=True: g is raw and the log decay is
+        -exp(A_log) * softplus(g + dt_bias) (A_log required, dt_bias optional, both float32
+        [HV]). use_beta_sigmoid_in_kernel=True: beta = sigmoid(beta); with allow_neg_eigval=True
+        (which requires it) beta = 2 * sigmoid(beta). Gradients flow to the raw g and beta, A_log
+        and dt_bias. Computed in jax.numpy before the kernels on every backend today; fusing it
+        into the cuda prep kernel is future work.
 
     Returns:
       o [B, T, HV, V] in v's dtype, or (o, final_state) when output_final_state.
@@ -136,6 +151,10 @@ def gdn(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False, initi
     del deterministic  # every primitive available today is deterministic
     d, cfg, args = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
                           save_mode, backend)
+    g, beta = apply_options(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                            dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                            allow_neg_eigval=allow_neg_eigval)
+    args = (q, k, v, g, beta) + args[5:]
     o, final = _gdn_packed(cfg, *_packed_args(d, *args))
     o = o.reshape(d.B, d.T, d.HV, d.V)
     if cu_seqlens is not None:
@@ -148,18 +167,21 @@ def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=Fal
     """Residuals kept for the backward: {name: (shape, dtype, bytes)}.
 
     Takes the arguments of `gdn` (arrays or jax.ShapeDtypeStruct); computes nothing on device.
-    Names match the checkpoint names (`gdn_<name>`); `ct.*` is the chunk table.
+    Names match the checkpoint names (`gdn_<name>`); `ct.*` is the chunk table. The gate options
+    (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval) add the raw
+    inputs they keep: g_raw, A_log, dt_bias, beta_raw.
     With `num_ranks=W` (and gdn_kcp's layout, exchange, save_transfer, segments): the residuals
     of `gdn_kcp` on each rank (every rank keeps the same shapes), for global q..beta shapes.
     """
     for name in ("output_final_state", "deterministic"):  # gdn arguments that change nothing
         kcp_kw.pop(name, None)
+    gate_kw = {n: kcp_kw.pop(n) for n in GATE_OPTIONS if n in kcp_kw}
     if num_ranks is not None:
         from .kcp.saved import saved_layout_kcp
 
         return saved_layout_kcp(q, k, v, g, beta, cu_seqlens=cu_seqlens, num_ranks=num_ranks,
                                 save_mode=save_mode, scale=scale, qk_l2norm=qk_l2norm,
-                                backend=backend, **kcp_kw)
+                                backend=backend, **gate_kw, **kcp_kw)
     if kcp_kw:
         raise TypeError(f"saved_layout got context-parallel arguments {sorted(kcp_kw)} without "
                         "num_ranks")
@@ -171,6 +193,7 @@ def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=Fal
         if x is not None:
             out[name] = (tuple(x.shape), jnp.dtype(x.dtype), int(np.prod(x.shape)) *
                          jnp.dtype(x.dtype).itemsize)
+    out.update(saved_layout_gates(g, beta, **gate_kw))
     return out
 
 

@@ -4,18 +4,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-find_python() {
-  # pyenv hosts: python3.12 is a shim that needs PYENV_VERSION; elsewhere any python3.12 will do.
+candidates() {
+  # pyenv hosts: python3.12 is a shim that needs PYENV_VERSION, so ask pyenv for the path
   if command -v pyenv >/dev/null 2>&1; then
     local v
     v=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.|$)' | sort -V | tail -n 1 || true)
-    if [ -n "$v" ]; then echo "$(pyenv prefix "$v")/bin/python3"; return; fi
+    [ -n "$v" ] && echo "$(pyenv prefix "$v")/bin/python3"
   fi
-  for c in python3.12 python3; do
-    if command -v "$c" >/dev/null 2>&1 &&
-       "$c" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
-      command -v "$c"; return
-    fi
+  for c in python3.12 python3; do command -v "$c" 2>/dev/null || true; done
+}
+
+find_python() {
+  # a Python 3.12, preferring one that already has jax 0.11.2 (a GPU host with no network)
+  local c
+  for want in 'import jax; assert jax.__version__ == "0.11.2"' 'pass'; do
+    for c in $(candidates); do
+      if "$c" -c "import sys; assert sys.version_info[:2] == (3, 12); $want" 2>/dev/null; then
+        echo "$c"; return
+      fi
+    done
   done
   echo "error: jax-cake-gdn needs Python 3.12 (jax 0.11); none found (pyenv, python3.12, python3)" >&2
   exit 1
@@ -24,17 +31,22 @@ find_python() {
 if [ ! -x .venv/bin/python ]; then
   PY=$(find_python)
   echo "setup: creating .venv with $PY ($("$PY" --version))" >&2
-  # system site packages: a GPU host's preinstalled jax CUDA plugin stays visible
-  "$PY" -m venv --system-site-packages .venv
+  "$PY" -m venv .venv
+  # The creating Python's packages stay visible (behind the venv's own): on a GPU host whose
+  # python3 is itself a venv holding jax's CUDA plugin, --system-site-packages would not reach them.
+  site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  "$PY" -c 'import site, sys; print("\n".join(p for p in sys.path if p.endswith("-packages")))' \
+    > "$site/_base_python_site.pth"
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python - <<'PYEOF' 2>/dev/null
-import jax, jaxlib, pytest, nanobind, scikit_build_core
+import jax, jaxlib, pytest, nanobind, scikit_build_core, flax
 assert jax.__version__ == "0.11.2" and jaxlib.__version__ == "0.11.2"
 PYEOF
 then
-  echo "setup: installing jax==0.11.2 jaxlib==0.11.2 and the build/test tools" >&2
-  "${PIP[@]}" "jax==0.11.2" "jaxlib==0.11.2" pytest "nanobind>=2.0" "scikit-build-core>=0.10" numpy
+  echo "setup: installing jax==0.11.2 jaxlib==0.11.2, flax and the build/test tools" >&2
+  "${PIP[@]}" "jax==0.11.2" "jaxlib==0.11.2" pytest "nanobind>=2.0" "scikit-build-core>=0.10" \
+    numpy "flax>=0.12"
 fi
 echo "setup: building and installing jax-cake-gdn (editable)" >&2
 "${PIP[@]}" --no-build-isolation -e .

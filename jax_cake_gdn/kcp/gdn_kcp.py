@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .. import primitives
+from .. import primitives, vma
 from ..checks import check_cu_seqlens, check_gdn_inputs, poison_if_bad_bounds
 from ..chunks import chunk_table
+from ..gates import apply_options
 from ..gdn import _Config, _gdn_packed
 from . import exchange as ex
 from .layout import Pieces, chains_and_m, check_layout, local_global_positions, rank_pieces
@@ -83,9 +84,14 @@ def _bcast(mask, x):
     return mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
 
 
-def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exchange="a2a",
-            save_mode="light", save_transfer=None, segments=None, scale=None, qk_l2norm=False,
-            deterministic=False, backend=None):
+def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+            cu_seqlens: jax.Array, axis_name: str, layout: str = "contiguous",
+            exchange: str = "a2a", save_mode: str = "light", save_transfer: bool | None = None,
+            segments: int | None = None, scale: float | None = None, qk_l2norm: bool = False,
+            deterministic: bool = False, backend: str | None = None,
+            use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
+            dt_bias: jax.Array | None = None, use_beta_sigmoid_in_kernel: bool = False,
+            allow_neg_eigval: bool = False) -> jax.Array:
     """Context-parallel `gdn`, called inside `jax.shard_map` over mesh axis `axis_name`.
 
     Each rank passes its slice of the layout-ordered packed token axis (`to_layout` makes that
@@ -101,6 +107,11 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
       for a2a, False for ring; ring with True is an error). False replays them in the backward.
     segments: P, the units per piece (default: `plan_kcp`).
     deterministic: every primitive available today is deterministic; both values behave alike.
+    use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's gate
+      options, as in `gdn` (g, beta are then this rank's raw inputs; A_log, dt_bias [HV] float32
+      are replicated, and their gradients are summed over the ranks). Computed in jax.numpy
+      before the kernels on every backend today; fusing it into the cuda prep kernel is future
+      work.
     No initial/final state: documents start from zero.
     """
     del deterministic
@@ -116,6 +127,9 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
                          save_mode=save_mode)
     if d.B != 1:
         raise ValueError(f"gdn_kcp needs the packed layout (B == 1), got B = {d.B}")
+    g, beta = apply_options(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                            dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                            allow_neg_eigval=allow_neg_eigval)
     T_l, T_g = d.T, d.T * W
     N = check_cu_seqlens(cu_seqlens, 1, T_g)
     check_layout(layout, cu_seqlens, T_g, W)
@@ -137,11 +151,14 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
         # transfer walks: B = exit from a zero entry; M = exit of [K x K] states from I with
         # zero values (at each unit's first segment that continues a document; else 0)
         cfg_t = cfg._replace(with_output=False)
-        _, exit_b = _gdn_packed(cfg_t, q, k, v, g, beta, jnp.zeros((S, HV, K, V), jnp.float32),
-                                ct)
+        # (constants vary like v: a custom_vjp's cotangents must match its inputs' vma)
+        h0_b = vma.zeros((S, HV, K, V), jnp.float32, v)
+        _, exit_b = _gdn_packed(cfg_t, q, k, v, g, beta, h0_b, ct)
         eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (HV, K, K))
-        h0_m = jnp.where(_bcast(tab.takes_carry, eye[None]), eye[None], 0.0)
-        _, exit_m = _gdn_packed(cfg_t, q, k, jnp.zeros((T_l, HV, K), v.dtype), g, beta, h0_m, ct)
+        h0_m = vma.cast(jnp.where(_bcast(tab.takes_carry, eye[None]), eye[None], 0.0),
+                        vma.of(v))
+        v_m = vma.zeros((T_l, HV, K), v.dtype, v)
+        _, exit_m = _gdn_packed(cfg_t, q, k, v_m, g, beta, h0_m, ct)
         final = jnp.concatenate([exit_b, exit_m], axis=-1)
         fu = final[tab.unit_last_seg]
         ne = _bcast(tab.unit_nonempty, fu)
@@ -166,6 +183,7 @@ def gdn_kcp(q, k, v, g, beta, *, cu_seqlens, axis_name, layout="contiguous", exc
                                  policy=jax.checkpoint_policies.save_only_these_names(*keep))
     carry_u = carries(q, k, v, g, beta)
     h0 = jnp.where(_bcast(tab.takes_carry, carry_u[tab.seg_unit]), carry_u[tab.seg_unit], 0.0)
+    h0 = vma.cast(h0, vma.of(v))
     o, _ = _gdn_packed(cfg, q, k, v, g, beta, h0, ct)
     o = poison_if_bad_bounds(o, cu_seqlens, T_g, 2 * W if layout == "doc_zigzag" else 1)
     return o.reshape(1, T_l, HV, V)

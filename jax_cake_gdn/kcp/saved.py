@@ -33,24 +33,33 @@ def _name(desc: str) -> str:
 
 def saved_layout_kcp(q, k, v, g, beta, *, cu_seqlens, num_ranks: int, layout="contiguous",
                      exchange="a2a", save_mode="light", save_transfer=None, segments=None,
-                     scale=None, qk_l2norm=False, backend=None, **_ignored):
-    """Per-rank residuals of gdn_kcp: {name: (shape, dtype, bytes)}; q..beta are global shapes."""
+                     scale=None, qk_l2norm=False, backend=None, A_log=None, dt_bias=None,
+                     **kw):
+    """Per-rank residuals of gdn_kcp: {name: (shape, dtype, bytes)}; q..beta are global shapes.
+    kw: the remaining gdn_kcp options (the gate flags); others are ignored."""
     W = int(num_ranks)
     mesh = AbstractMesh((W,), (_AXIS,))
     tok = NamedSharding(mesh, P(None, _AXIS))
+    rep = NamedSharding(mesh, P())
     sds = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=tok) for x in (q, k, v, g, beta)]
-    cu = jax.ShapeDtypeStruct(np.shape(cu_seqlens), jnp.int32, sharding=NamedSharding(mesh, P()))
-    kw = dict(layout=layout, exchange=exchange, save_mode=save_mode, save_transfer=save_transfer,
+    cu = jax.ShapeDtypeStruct(np.shape(cu_seqlens), jnp.int32, sharding=rep)
+    vecs = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
+            for n, x in (("A_log", A_log), ("dt_bias", dt_bias)) if x is not None}
+    kw = {n: kw[n] for n in ("use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
+                             "allow_neg_eigval") if n in kw}
+    kw.update(layout=layout, exchange=exchange, save_mode=save_mode, save_transfer=save_transfer,
               segments=segments, scale=scale, qk_l2norm=qk_l2norm, backend=backend)
     found = []
 
-    def body(q, k, v, g, beta, cu):
-        f = lambda *a: gdn_kcp(*a, cu_seqlens=cu, axis_name=_AXIS, **kw)
-        found.extend(saved_residuals(f, q, k, v, g, beta))
-        return f(q, k, v, g, beta)
+    def body(q, k, v, g, beta, cu, vecs):
+        f = lambda *a: gdn_kcp(*a[:5], cu_seqlens=cu, axis_name=_AXIS, **dict(zip(vecs, a[5:])),
+                               **kw)
+        args = (q, k, v, g, beta, *vecs.values())
+        found.extend(saved_residuals(f, *args))
+        return f(*args)
 
-    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(P(None, _AXIS),) * 5 + (P(),),
-                                 out_specs=P(None, _AXIS)), *sds, cu)
+    jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(P(None, _AXIS),) * 5 + (P(), P()),
+                                 out_specs=P(None, _AXIS)), *sds, cu, vecs)
     out, seen = {}, {}
     for aval, desc in found:
         name = _name(desc)
