@@ -7,6 +7,10 @@ they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels tod
 Forward: gate_cumsum, l2norm_rstd, solve_a (A), wy (w, u), state_walk (h, v_new, exit states),
 output (o, scores). Backward: walk_bwd (reverse state walk), chunk_bwd (all input gradients).
 Signatures: see primitives/xla.py.
+
+The cuda set's chunk_bwd is still the xla one, and it recomputes the intra-chunk scores instead
+of reading the saved ones: the saved scores come from tensor-core products the xla code does not
+reproduce bit for bit, and both save modes must give bitwise-equal gradients.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.solve_a, xla.wy, x
                  xla.output, xla.walk_bwd, xla.chunk_bwd)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
-CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "output")
+CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "output",
+                "walk_bwd")
 BACKENDS = ("xla", "cuda")
 
 
@@ -44,6 +49,14 @@ def _cuda_primitives() -> Primitives:
     def output(q, k, G, h, v_new, rstd_q, rstd_k, ct, *, scale, out_dtype, with_scores=False):
         return cuda.output(q, k, G, h, v_new, rstd_q, rstd_k, ct.start, ct.length, scale=scale,
                            out_dtype=out_dtype, with_scores=with_scores)
+
+    def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct, *, scale):
+        return cuda.walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct.start, ct.length,
+                             ct.seg_first, ct.seg_last, ct.seg_len, scale=scale)
+
+    def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, *rest, **kw):
+        del scores  # see the module docstring
+        return xla.chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, None, *rest, **kw)
 
     return XLA._replace(
         name="cuda",
@@ -56,6 +69,8 @@ def _cuda_primitives() -> Primitives:
         state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(
             k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len),
         output=output,
+        walk_bwd=walk_bwd,
+        chunk_bwd=chunk_bwd,
     )
 
 

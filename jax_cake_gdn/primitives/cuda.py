@@ -35,6 +35,7 @@ __all__ = [
     "wy",
     "state_walk",
     "output",
+    "walk_bwd",
     "SUPPORTED_DIMS",
     "supports",
 ]
@@ -375,3 +376,51 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.float32)],
                       q, k, G, h, v_new, rq, rk, cs, cl, scale=np.float32(scale))
     return o, (scores if with_scores else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward kernels (cuda/walk_bwd.cu). Interfaces follow primitives/xla.py's backward primitives.
+# ------------------------------------------------------------------------------------------------
+
+
+def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
+             seg_last, seg_len, *, scale: float):
+    """Reverse walk for the state gradients (xla.walk_bwd with the chunk table as arrays).
+
+    q, k: bf16/f32 [T, H, K]; w f32[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
+    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64]
+    (the saved Att) or None (recomputed in the kernel); rstd_q, rstd_k f32[T, H] or None.
+    Returns dS_end f32[NC, HV, K, V] (gradient of each chunk's exit state; 0 for unused chunks)
+    and dh0 f32[S, HV, K, V] (gradient of each segment's entry state; dfinal for an empty one).
+    """
+    fn = "walk_bwd"
+    q = _qkv(fn, "q", q)
+    k = _qkv(fn, "k", k)
+    T, H, K = q.shape
+    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
+    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
+    do = _qkv(fn, "do", do)
+    _check(do.shape[0] == T, f"{fn}: do must be [T, HV, V] with T = {T}, got {do.shape}")
+    HV, V = do.shape[1], do.shape[2]
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    do = do.astype(q.dtype)
+    w = _f32(fn, "w", w, (T, HV, K))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    NC = cs.shape[0]
+    sl = _i32(fn, "seg_len", seg_len)
+    S = sl.shape[0]
+    sf = _i32(fn, "seg_first", seg_first, S)
+    sla = _i32(fn, "seg_last", seg_last, S)
+    dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
+    if scores is None:
+        sc = jnp.asarray(_NO_RSTD)
+    else:
+        sc = _f32(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK))
+    rq = _rstd(fn, "rstd_q", rstd_q, T, H)
+    rk = _rstd(fn, "rstd_k", rstd_k, T, H)
+    dS_end, dh0 = _call(fn, [((NC, HV, K, V), jnp.float32), ((S, HV, K, V), jnp.float32)],
+                        q, k, w, G, do, dfinal, sc, rq, rk, cs, cl, sf, sla, sl,
+                        scale=np.float32(scale))
+    return dS_end, dh0

@@ -1,0 +1,117 @@
+// FFI handler of the backward state walk (kernel in walk_bwd.cuh):
+//
+//   jax_cake_gdn_walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len,
+//                         seg_first, seg_last, seg_len; scale)
+//       -> dS_end f32[NC, HV, K, V], dh0 f32[S, HV, K, V]
+//
+// q, k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
+// dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64] (the saved Att) or f32[0] (recompute);
+// rstd_q, rstd_k f32[T, H] or f32[0]; chunk table int32 (chunks.py). K in {64, 128}, V in
+// {64, 128}.
+#include "fwd_args.cuh"
+#include "walk_bwd.cuh"
+
+#define JCG_HANDLER_NAME "jax_cake_gdn_walk_bwd"
+
+namespace jax_cake_gdn {
+namespace {
+
+ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
+                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::F32> scores,
+                         ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                         ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                         ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
+                         ffi::Buffer<ffi::S32> seg_len, float scale,
+                         ffi::ResultBuffer<ffi::F32> dS_end, ffi::ResultBuffer<ffi::F32> dh0) {
+  JCG_CHECK_MSG(check_qk("q", q));
+  JCG_CHECK_MSG(check_qk("k", k));
+  const auto qd = q.dimensions();
+  const int64_t T = qd[0], H = qd[1], K = qd[2];
+  JCG_CHECK_ARG(k.dimensions() == qd, "k must have q's shape " + dims_str(qd) + ", got " +
+                                          dims_str(k.dimensions()));
+  JCG_CHECK_ARG(k.element_type() == q.element_type(), "k must have q's dtype");
+  const auto od = dout.dimensions();
+  JCG_CHECK_ARG(od.size() == 3 && od[0] == T,
+                "do must be [T, HV, V], got shape " + dims_str(od));
+  JCG_CHECK_ARG(dout.element_type() == q.element_type(), "do must have q's dtype");
+  const int64_t HV = od[1], V = od[2];
+  JCG_CHECK_MSG(check_heads(H, HV));
+  JCG_CHECK_MSG(check_v(V));
+  JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
+                "w must be f32[T, HV, K], got shape " + dims_str(w.dimensions()));
+  JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
+  bool has_rq = false, has_rk = false;
+  JCG_CHECK_MSG(check_rstd("rstd_q", rstd_q.dimensions(), T, H, has_rq));
+  JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rk));
+  JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
+  const int64_t NC = chunk_start.dimensions()[0];
+  const auto sd = seg_len.dimensions();
+  JCG_CHECK_ARG(sd.size() == 1 && sd[0] >= 1,
+                "seg_len must be int32[S], got shape " + dims_str(sd));
+  const int64_t S = sd[0];
+  JCG_CHECK_ARG(seg_first.dimensions() == sd && seg_last.dimensions() == sd,
+                "seg_first, seg_last must match seg_len " + dims_str(sd));
+  JCG_CHECK_ARG(S * HV * (V / kWbVT) < (int64_t{1} << 31), "S * HV too large");
+  JCG_CHECK_ARG(dims_are(dfinal.dimensions(), {S, HV, K, V}),
+                "dfinal must be f32[S, HV, K, V], got shape " + dims_str(dfinal.dimensions()));
+  const auto scd = scores.dimensions();
+  const bool has_scores = !(scd.size() == 1 && scd[0] == 0);
+  JCG_CHECK_ARG(!has_scores || dims_are(scd, {NC, HV, kChunk, kChunk}),
+                "scores must be f32[NC, HV, 64, 64] or f32[0] (recompute), got shape " +
+                    dims_str(scd));
+  JCG_CHECK_ARG(dims_are(dS_end->dimensions(), {NC, HV, K, V}),
+                "dS_end must be f32[NC, HV, K, V], got shape " + dims_str(dS_end->dimensions()));
+  JCG_CHECK_ARG(dims_are(dh0->dimensions(), {S, HV, K, V}),
+                "dh0 must be f32[S, HV, K, V], got shape " + dims_str(dh0->dimensions()));
+
+  JCG_CHECK_CUDA(poison(stream, *dS_end));
+  JCG_CHECK_CUDA(poison(stream, *dh0));
+  cudaError_t err = cudaSuccess;
+  dispatch_float_type(q.element_type(), [&](auto tag) {
+    using In = typename decltype(tag)::type;
+    dispatch_head_dim(K, [&](auto kdim) {
+      constexpr int KD = decltype(kdim)::value;
+      const dim3 grid(static_cast<unsigned>(S * HV * (V / kWbVT)));
+      err = launch(walk_bwd_kernel<In, KD>, grid, kWbThreads,
+                   WalkBwdSmem<In, KD>::bytes(has_scores), stream,
+                   static_cast<const In*>(q.untyped_data()),
+                   static_cast<const In*>(k.untyped_data()), w.typed_data(), G.typed_data(),
+                   static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
+                   has_scores ? scores.typed_data() : static_cast<const float*>(nullptr),
+                   has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
+                   has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                   chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
+                   seg_last.typed_data(), seg_len.typed_data(), dS_end->typed_data(),
+                   dh0->typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
+                   static_cast<int>(V), static_cast<int>(NC), scale);
+    });
+  });
+  JCG_CHECK_CUDA(err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_cake_gdn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_bwd, jax_cake_gdn::walk_bwd_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // q
+                                  .Arg<xla::ffi::AnyBuffer>()              // k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
+                                  .Arg<xla::ffi::AnyBuffer>()              // do
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dfinal
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // scores
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
+                                  .Attr<float>("scale")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dS_end
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // dh0
+                              {xla::ffi::Traits::kCmdBufferCompatible});

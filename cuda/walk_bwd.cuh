@@ -1,0 +1,359 @@
+// The backward state walk (primitives/xla.py: walk_bwd). Per segment, value head and 64-wide V
+// tile, walk the segment's chunks in REVERSE order with the state gradient dS (K x V tile, f32):
+//
+//   dS_end[c] = dfinal[seg] on the segment's last chunk, else dS_in[c + 1]
+//   dv_local  = scale Att^T dO                          Att = Gam o (Q K^T), or the saved scores
+//   dvn       = dv_local + Kd dS_end                    Kd = K e^{G_C - G}
+//   dS_in     = scale (Q e^G)^T dO + e^{G_C} dS_end - w^T dvn
+//   dh0[seg]  = dS_in of the first chunk (dfinal[seg] for an empty segment)
+//
+// One CTA of 4 warps per (segment, value head, V tile of 64), exactly as the forward walk
+// (state_walk.cuh): dS lives in registers as dS^T, warp wv owning value columns 16wv..16wv+15 of
+// the tile and all K rows, as m16n8 accumulator fragments (K / 8 of them). A C fragment of dS^T
+// is a B fragment of dS, so `Kd dS` takes dS from registers (rounded to bf16 per chunk; the f32
+// state is kept). Per chunk (all mma.sync m16n8k16, bf16 in, f32 accumulate):
+//   Att (recompute mode): warp w computes rows 16w.. of Q K^T, gates them with exp(G_i - G_j)
+//       (i >= j only; never e^{-G}) and writes bf16 Att to shared memory (scores mode: the saved
+//       f32 scores are converted instead);
+//   dv_local[64 x 16] = Att^T dOs                       (A: Att^T by ldmatrix.trans)
+//   dvn[64 x 16]      = dv_local + diag(e^{G_C - G}) (Ks dS)   (A: K from smem, B: registers)
+//   dS^T[16 x K]      = e^{G_C} dS^T + dOg^T Qs - dvn^T Ws     (dOg = scale e^G dO, dOs = scale dO)
+// The row factors e^G (on dO's rows) and e^{G_C - G} (on the product's rows) keep one q and one
+// k tile for both uses. dvn goes, negated and as bf16, to this warp's columns of a shared tile
+// (only the warp itself reads them). w, q, k, dO, G, rstd (and scores) of chunk c - 1 stream into
+// staging buffers with cp.async while chunk c computes; the staging is converted to bf16 operand
+// tiles at the top of each chunk.
+//
+// Unused chunks (length 0, after every segment's chunks) get dS_end = 0, as the xla reverse scan
+// gives (its carry starts at zero there); the last used chunk's segment writes them, or segment 0
+// when no chunk is used at all.
+#pragma once
+
+#include "fwd_common.cuh"
+
+namespace jax_cake_gdn {
+
+constexpr int kWbThreads = 128;
+constexpr int kWbVT = 64;  // V columns per CTA (4 warps x 16)
+
+template <typename In, int K>
+struct WalkBwdSmem {
+  static constexpr int KP = K + 8;       // bf16 pitch of Qs, Ks, Ws
+  static constexpr int TP = kChunk + 8;  // bf16 pitch of the 64-wide tiles (dOs, dOg, Att, Dvn)
+  static constexpr size_t kStW = size_t{kChunk} * K * sizeof(float);
+  static constexpr size_t kStQK = size_t{kChunk} * K * sizeof(In);
+  static constexpr size_t kStO = size_t{kChunk} * kWbVT * sizeof(In);
+  static constexpr size_t kStG = 3 * kChunk * sizeof(float);  // G, rstd_q, rstd_k
+  static constexpr size_t kBig = size_t{kChunk} * KP * sizeof(bf16);
+  static constexpr size_t kSmall = size_t{kChunk} * TP * sizeof(bf16);
+  static constexpr size_t kStA = size_t{kChunk} * kChunk * sizeof(float);  // scores staging
+  static constexpr size_t oStQ = kStW;
+  static constexpr size_t oStK = oStQ + kStQK;
+  static constexpr size_t oStO = oStK + kStQK;
+  static constexpr size_t oStG = oStO + kStO;
+  static constexpr size_t oQs = oStG + kStG;
+  static constexpr size_t oKs = oQs + kBig;
+  static constexpr size_t oWs = oKs + kBig;
+  static constexpr size_t oDOs = oWs + kBig;
+  static constexpr size_t oDOg = oDOs + kSmall;
+  static constexpr size_t oAtt = oDOg + kSmall;
+  static constexpr size_t oDvn = oAtt + kSmall;
+  static constexpr size_t oSG = oDvn + kSmall;
+  static constexpr size_t oStA = oSG + kChunk * sizeof(float);
+  static constexpr size_t bytes_no_scores = oStA;
+  static constexpr size_t bytes_scores = oStA + kStA;
+  static size_t bytes(bool has_scores) { return has_scores ? bytes_scores : bytes_no_scores; }
+  static_assert(bytes_scores <= 227 * 1024, "walk_bwd: shared memory over the sm_90 limit");
+};
+
+// dS^T fragment element (nt, e) of warp wv: value column v (in the tile) and key row k,
+// v = 16 wv + g + 8 (e / 2), k = 8 nt + 2 q + (e % 2). base at state[k = 0][tile column 0].
+template <int K>
+__device__ __forceinline__ void wb_state_rw(float (&S)[K / 8][4], float* base, int V, bool store) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = 16 * warp + g + 8 * (e >> 1), kk = 8 * nt + 2 * q + (e & 1);
+      float* p = base + static_cast<int64_t>(kk) * V + v;
+      if (store) {
+        *p = S[nt][e];
+      } else {
+        S[nt][e] = *p;
+      }
+    }
+  }
+}
+
+template <int K>
+__device__ __forceinline__ void wb_state_zero(float* base, int V) {
+  float Z[K / 8][4];
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) Z[nt][0] = Z[nt][1] = Z[nt][2] = Z[nt][3] = 0.f;
+  wb_state_rw<K>(Z, base, V, true);
+}
+
+template <typename In, int K>
+__global__ void __launch_bounds__(kWbThreads)
+    walk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k,
+                    const float* __restrict__ w, const float* __restrict__ G,
+                    const In* __restrict__ dout, const float* __restrict__ dfinal,
+                    const float* __restrict__ scores,  // nullable: recompute Att
+                    const float* __restrict__ rstd_q,  // nullable
+                    const float* __restrict__ rstd_k,  // nullable
+                    const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
+                    const int32_t* __restrict__ seg_first, const int32_t* __restrict__ seg_last,
+                    const int32_t* __restrict__ seg_len, float* __restrict__ dS_end,
+                    float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
+                    float scale) {
+  using Sm = WalkBwdSmem<In, K>;
+  constexpr int KP = Sm::KP, TP = Sm::TP;
+  constexpr int KS = K / 16;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* stW = reinterpret_cast<float*>(smem);
+  In* stQ = reinterpret_cast<In*>(smem + Sm::oStQ);
+  In* stK = reinterpret_cast<In*>(smem + Sm::oStK);
+  In* stO = reinterpret_cast<In*>(smem + Sm::oStO);
+  float* stG = reinterpret_cast<float*>(smem + Sm::oStG);
+  float* stRq = stG + kChunk;
+  float* stRk = stRq + kChunk;
+  bf16* Qs = reinterpret_cast<bf16*>(smem + Sm::oQs);
+  bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::oKs);
+  bf16* Ws = reinterpret_cast<bf16*>(smem + Sm::oWs);
+  bf16* DOs = reinterpret_cast<bf16*>(smem + Sm::oDOs);
+  bf16* DOg = reinterpret_cast<bf16*>(smem + Sm::oDOg);
+  bf16* Att = reinterpret_cast<bf16*>(smem + Sm::oAtt);
+  bf16* Dvn = reinterpret_cast<bf16*>(smem + Sm::oDvn);
+  float* sG = reinterpret_cast<float*>(smem + Sm::oSG);
+  float* stA = reinterpret_cast<float*>(smem + Sm::oStA);  // only when scores != nullptr
+
+  // 1-D grid as the forward walk: V tiles of one (segment, head) adjacent, then heads, then
+  // segments.
+  const int ntiles = V / kWbVT;
+  const int tile = blockIdx.x % ntiles, rest = blockIdx.x / ntiles;
+  const int hv = rest % HV, s = rest / HV, v0 = tile * kWbVT;
+  const int hk = hv / (HV / H);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, qd = lane & 3;
+  const int64_t state_stride = int64_t{K} * V;
+
+  float S[K / 8][4];
+  float* dh0p = dh0 + (static_cast<int64_t>(s) * HV + hv) * state_stride + v0;
+  wb_state_rw<K>(S,
+                 const_cast<float*>(dfinal) + (static_cast<int64_t>(s) * HV + hv) * state_stride +
+                     v0,
+                 V, false);
+
+  const int c_first = seg_first[s], c_last = seg_last[s];
+  const bool empty = seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
+  if (empty) {
+    wb_state_rw<K>(S, dh0p, V, true);
+    // No used chunk at all (no tokens): every dS_end is zero, written by segment 0.
+    if (s == 0 && NC > 0 && clen[0] <= 0) {
+      for (int c = 0; c < NC; ++c)
+        wb_state_zero<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
+    }
+    return;
+  }
+
+  // Stream chunk c's w, q, k, dO tile, G, rstd (and scores) into staging (zero beyond its length).
+  auto prefetch = [&](int c) {
+    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+    constexpr int kWv = K / 4;  // 16-byte pieces per w row
+#pragma unroll 4
+    for (int idx = tid; idx < kChunk * kWv; idx += kWbThreads) {
+      const int t = idx / kWv, c4 = (idx % kWv) * 4;
+      const bool ok = t < cs.len;
+      const float* src = ok ? w + ((cs.start + t) * HV + hv) * K + c4 : w;
+      cp_async16(stW + t * K + c4, src, ok);
+    }
+    constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
+    constexpr int kKv = K / kEl;
+#pragma unroll 4
+    for (int idx = tid; idx < kChunk * kKv; idx += kWbThreads) {
+      const int t = idx / kKv, ce = (idx % kKv) * kEl;
+      const bool ok = t < cs.len;
+      const int64_t off = ((cs.start + t) * H + hk) * K + ce;
+      cp_async16(stQ + t * K + ce, ok ? q + off : q, ok);
+      cp_async16(stK + t * K + ce, ok ? k + off : k, ok);
+    }
+    constexpr int kOv = kWbVT / kEl;
+#pragma unroll 4
+    for (int idx = tid; idx < kChunk * kOv; idx += kWbThreads) {
+      const int t = idx / kOv, ce = (idx % kOv) * kEl;
+      const bool ok = t < cs.len;
+      const In* src = ok ? dout + ((cs.start + t) * HV + hv) * V + v0 + ce : dout;
+      cp_async16(stO + t * kWbVT + ce, src, ok);
+    }
+    if (scores != nullptr) {
+      const float* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+#pragma unroll 4
+      for (int idx = tid; idx < kChunk * kChunk / 4; idx += kWbThreads)
+        cp_async16(stA + 4 * idx, sp + 4 * idx, true);
+    }
+    if (tid < kChunk) {
+      const bool ok = tid < cs.len;
+      cp_async4(stG + tid, ok ? G + (cs.start + tid) * HV + hv : G, ok);
+      if (rstd_q != nullptr)
+        cp_async4(stRq + tid, ok ? rstd_q + (cs.start + tid) * H + hk : rstd_q, ok);
+    } else {
+      const int t = tid - kChunk;
+      const bool ok = t < cs.len;
+      if (rstd_k != nullptr)
+        cp_async4(stRk + t, ok ? rstd_k + (cs.start + t) * H + hk : rstd_k, ok);
+    }
+    cp_async_commit();
+  };
+
+  prefetch(c_last);
+  for (int c = c_last; c >= c_first; --c) {
+    const int len = chunk_span(cstart, clen, c, num_tokens).len;
+    cp_async_wait_all();
+    __syncthreads();  // staging holds chunk c; every warp is done with chunk c + 1's tiles
+
+    const float GC = len > 0 ? stG[len - 1] : 0.f;
+    const float eGC = __expf(GC);
+    // staging -> bf16 operand tiles
+    {
+      constexpr int kV8 = K / 8;
+#pragma unroll 2
+      for (int idx = tid; idx < kChunk * kV8; idx += kWbThreads) {
+        const int t = idx / kV8, c8 = (idx % kV8) * 8;
+        float f[8];
+        lds8(stW + t * K + c8, f);
+        sts8_bf16(Ws + t * KP + c8, f, 1.f);
+        lds8(stQ + t * K + c8, f);
+        sts8_bf16(Qs + t * KP + c8, f, rstd_q != nullptr ? stRq[t] : 1.f);
+        lds8(stK + t * K + c8, f);
+        sts8_bf16(Ks + t * KP + c8, f, rstd_k != nullptr ? stRk[t] : 1.f);
+      }
+      constexpr int kO8 = kWbVT / 8;
+#pragma unroll 2
+      for (int idx = tid; idx < kChunk * kO8; idx += kWbThreads) {
+        const int t = idx / kO8, c8 = (idx % kO8) * 8;
+        float f[8];
+        lds8(stO + t * kWbVT + c8, f);  // rows >= len are zero
+        sts8_bf16(DOs + t * TP + c8, f, scale);
+        sts8_bf16(DOg + t * TP + c8, f, scale * __expf(stG[t]));
+      }
+      if (scores != nullptr) {
+#pragma unroll 2
+        for (int idx = tid; idx < kChunk * 8; idx += kWbThreads) {
+          const int t = idx / 8, c8 = (idx % 8) * 8;
+          float f[8];
+          lds8(stA + t * kChunk + c8, f);
+          sts8_bf16(Att + t * TP + c8, f, 1.f);
+        }
+      }
+      if (tid < kChunk) sG[tid] = tid < len ? stG[tid] : GC;  // padding rows: G = GC (as xla)
+    }
+    __syncthreads();  // tiles ready; staging free
+    if (c > c_first) prefetch(c - 1);
+
+    // dS_end[c] = the carried gradient
+    wb_state_rw<K>(S, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
+
+    if (scores == nullptr) {
+      // Att rows 16w.. = Gam o (Q K^T), bf16 into shared memory
+      float att[8][4];
+      zero_acc(att);
+      {
+        uint32_t qa[KS][4];
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) lda_rm(qa[ks], Qs + (16 * warp) * KP + 16 * ks, KP);
+        mma_rt<KS, 8>(att, qa, Ks, KP);
+      }
+      const int i0 = 16 * warp + g, i1 = i0 + 8;
+      const float gi0 = sG[i0], gi1 = sG[i1];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = (e >> 1) ? i1 : i0, j = 8 * nt + 2 * qd + (e & 1);
+          const float gi = (e >> 1) ? gi1 : gi0;
+          att[nt][e] = j <= i ? __expf(gi - sG[j]) * att[nt][e] : 0.f;
+        }
+        *reinterpret_cast<uint32_t*>(Att + i0 * TP + 8 * nt + 2 * qd) =
+            pack_bf16(att[nt][0], att[nt][1]);
+        *reinterpret_cast<uint32_t*>(Att + i1 * TP + 8 * nt + 2 * qd) =
+            pack_bf16(att[nt][2], att[nt][3]);
+      }
+      __syncthreads();  // Att complete
+    }
+
+    // dv_local[64 x 16] = Att^T dOs (this warp's 16 value columns)
+    float dvl[4][2][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      zero_acc(dvl[mt]);
+      uint32_t a[4][4];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], Att + (16 * ks) * TP + 16 * mt, TP);
+      mma_rm<4, 2>(dvl[mt], a, DOs + 16 * warp, TP);
+    }
+
+    // dvn = dv_local + diag(e^{GC - G}) Ks dS
+    {
+      float acc[4][2][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) zero_acc(acc[mt]);
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t b00 = pack_bf16(S[2 * ks][0], S[2 * ks][1]);
+        const uint32_t b01 = pack_bf16(S[2 * ks + 1][0], S[2 * ks + 1][1]);
+        const uint32_t b10 = pack_bf16(S[2 * ks][2], S[2 * ks][3]);
+        const uint32_t b11 = pack_bf16(S[2 * ks + 1][2], S[2 * ks + 1][3]);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          uint32_t a[4];
+          lda_rm(a, Ks + (16 * mt) * KP + 16 * ks, KP);
+          mma_bf16(acc[mt][0], a, b00, b01);
+          mma_bf16(acc[mt][1], a, b10, b11);
+        }
+      }
+      // -dvn as bf16 into this warp's columns of the Dvn tile
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int t = 16 * mt + g + 8 * half;
+          const float dec = __expf(GC - sG[t]);
+#pragma unroll
+          for (int nv = 0; nv < 2; ++nv) {
+            const int vc = 16 * warp + 8 * nv + 2 * qd;
+            const float x0 = dec * acc[mt][nv][2 * half] + dvl[mt][nv][2 * half];
+            const float x1 = dec * acc[mt][nv][2 * half + 1] + dvl[mt][nv][2 * half + 1];
+            *reinterpret_cast<uint32_t*>(Dvn + t * TP + vc) = pack_bf16(-x0, -x1);
+          }
+        }
+    }
+
+    // dS^T = e^{GC} dS^T + dOg^T Qs - dvn^T Ws
+#pragma unroll
+    for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) S[nt][e] *= eGC;
+    {
+      uint32_t a[4][4];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], DOg + (16 * ks) * TP + 16 * warp, TP);
+      mma_rm<4, K / 8>(S, a, Qs, KP);
+    }
+    __syncwarp();  // this warp's Dvn columns are written
+    {
+      uint32_t a[4][4];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], Dvn + (16 * ks) * TP + 16 * warp, TP);
+      mma_rm<4, K / 8>(S, a, Ws, KP);
+    }
+  }
+
+  wb_state_rw<K>(S, dh0p, V, true);
+  // The last used chunk's segment also zeroes the unused chunks' dS_end.
+  if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
+    for (int c = c_last + 1; c < NC; ++c)
+      wb_state_zero<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
+  }
+}
+
+}  // namespace jax_cake_gdn

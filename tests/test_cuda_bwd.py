@@ -1,0 +1,350 @@
+"""The cuda backward walk: walk_bwd (cuda/walk_bwd.cu), in the cuda primitive set.
+
+CPU host: the wrapper lowers for the cuda platform to the custom call (scores given, or a
+zero-size operand when recomputed); the gradient of gdn(backend="cuda") calls it and has no while
+loop left from the walk; bad inputs raise ValueError naming the argument.
+GPU host: cuda walk_bwd against xla walk_bwd on identical inputs (made by the xla forward
+primitives) on uneven documents (1, 0, 63, 64, 65, 0, 1000 tokens; 4 unused chunk slots), GVA
+(16, 48) and (2, 6), L2 norm on and off, scores None and given, bf16 and f32, K/V 128 and 64
+(relative RMS <= 1e-2 on dS_end and dh0; dS_end of unused chunk slots is exactly 0, as xla gives);
+the same under JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite; and gdn gradients
+on the cuda backend against the float64 reference (<= 1e-2), light and full bitwise equal.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_cake_gdn import gdn, primitives
+from jax_cake_gdn.chunks import chunk_table
+from jax_cake_gdn.primitives import cuda
+from jax_cake_gdn.primitives import xla as X
+
+DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)  # T = 1193, 7 segments, NC = 25 (21 used)
+TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
+
+
+def _need_ext():
+    if not cuda.available():
+        pytest.skip(f"jax_cake_gdn._cuda not built: {cuda.unavailable_reason()}")
+
+
+def _need_gpu():
+    _need_ext()
+    if not cuda.gpu_available():
+        pytest.skip("no CUDA GPU")
+
+
+def rel(x, ref) -> float:
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def make_walk_inputs(seed, H=2, HV=6, K=128, V=128, dtype=jnp.bfloat16, qk_l2norm=True,
+                     doc_lens=DOC_LENS):
+    """Packed gdn inputs plus random cotangents: q, k [T, H, K], v [T, HV, V], g, beta [T, HV],
+    h0 and dfinal [N, HV, K, V], do [T, HV, V] (dtype), cu_seqlens [N + 1]."""
+    rng = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.cumsum(doc_lens)]).astype(np.int32)
+    T, N = int(cu[-1]), len(doc_lens)
+    s = 1.0 if qk_l2norm else K**-0.5
+    cast = lambda x: jnp.asarray(np.asarray(x, np.float32), dtype)
+    return dict(
+        q=cast(rng.standard_normal((T, H, K)) * s), k=cast(rng.standard_normal((T, H, K)) * s),
+        v=cast(rng.standard_normal((T, HV, V))),
+        g=jnp.asarray(-rng.uniform(0.01, 0.3, (T, HV)), jnp.float32),
+        beta=jnp.asarray(rng.uniform(0.1, 0.95, (T, HV)), jnp.float32),
+        h0=jnp.asarray(0.3 * rng.standard_normal((N, HV, K, V)), jnp.float32),
+        do=cast(rng.standard_normal((T, HV, V))),
+        dfinal=jnp.asarray(rng.standard_normal((N, HV, K, V)), jnp.float32),
+        cu=jnp.asarray(cu))
+
+
+def walk_pairs(inp, qk_l2norm):
+    """xla walk_bwd and cuda walk_bwd (scores None; xla's scores; cuda's scores) on the same
+    inputs, made by the xla forward primitives. Returns a dict of arrays and the chunk lengths."""
+    T, H, K = inp["q"].shape
+    scale = K**-0.5
+
+    @jax.jit
+    def run(q, k, v, g, beta, h0, do, dfinal, cu):
+        ct = chunk_table(cu, T)
+        rq = X.l2norm_rstd(q) if qk_l2norm else None
+        rk = X.l2norm_rstd(k) if qk_l2norm else None
+        G = X.gate_cumsum(g, ct)
+        A = X.solve_a(k, beta, G, rk, ct)
+        w, u = X.wy(k, v, beta, G, A, rk, ct)
+        h, vn, _ = X.state_walk(k, w, u, G, h0, rk, ct)
+        _, sc = X.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
+                         with_scores=True)
+        _, sc_cuda = cuda.output(q, k, G, h, vn, rq, rk, ct.start, ct.length, scale=scale,
+                                 out_dtype=v.dtype, with_scores=True)
+        tab = (ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len)
+        out = {"xla": X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale),
+               "cuda": cuda.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, *tab, scale=scale),
+               "cuda_sc": cuda.walk_bwd(q, k, w, G, do, dfinal, sc, rq, rk, *tab, scale=scale),
+               "cuda_scc": cuda.walk_bwd(q, k, w, G, do, dfinal, sc_cuda, rq, rk, *tab,
+                                         scale=scale)}
+        return out, ct.length
+
+    return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
+               inp["dfinal"], inp["cu"])
+
+
+# ------------------------------------------------------------------------------------------------
+# CPU host
+# ------------------------------------------------------------------------------------------------
+
+
+def _lower_cuda(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _abstract_walk(T=300, H=2, HV=6, K=128, V=128, S=5, NC=9, dtype=jnp.bfloat16):
+    sds = jax.ShapeDtypeStruct
+    f32, i32 = jnp.float32, jnp.int32
+    return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), w=sds((T, HV, K), f32),
+                G=sds((T, HV), f32), do=sds((T, HV, V), dtype), dfinal=sds((S, HV, K, V), f32),
+                scores=sds((NC, HV, 64, 64), f32), rq=sds((T, H), f32), rk=sds((T, H), f32),
+                cs=sds((NC,), i32), cl=sds((NC,), i32), sf=sds((S,), i32), sl=sds((S,), i32),
+                sn=sds((S,), i32))
+
+
+@pytest.mark.parametrize("with_scores", [False, True])
+@pytest.mark.parametrize("l2", [True, False])
+def test_lower_walk_bwd_for_cuda(with_scores, l2):
+    _need_ext()
+    a = _abstract_walk()
+
+    def f(q, k, w, G, do, dfinal, scores, rq, rk, cs, cl, sf, sl, sn):
+        return cuda.walk_bwd(q, k, w, G, do, dfinal, scores if with_scores else None,
+                             rq if l2 else None, rk if l2 else None, cs, cl, sf, sl, sn,
+                             scale=0.125)
+
+    hlo = _lower_cuda(f, *a.values())
+    calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_walk_bwd" in ln]
+    assert len(calls) == 1, hlo
+    call = calls[0]
+    assert "tensor<9x6x128x128xf32>, tensor<5x6x128x128xf32>" in call  # dS_end, dh0
+    assert ("tensor<9x6x64x64xf32>" in call) == with_scores
+    assert ("tensor<0xf32>" in call) == (not with_scores or not l2)
+    assert "stablehlo.while" not in hlo
+
+
+def _grad_fn(backend, save_mode="light"):
+    def loss(q, k, v, g, beta, h0, cu):
+        o, fin = gdn(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=True, initial_state=h0,
+                     output_final_state=True, save_mode=save_mode, backend=backend)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(fin)
+
+    return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
+
+
+def _abstract_gdn(T=300, H=2, HV=6, K=128, V=128, N=5):
+    sds = jax.ShapeDtypeStruct
+    return (sds((1, T, H, K), jnp.bfloat16), sds((1, T, H, K), jnp.bfloat16),
+            sds((1, T, HV, V), jnp.bfloat16), sds((1, T, HV), jnp.float32),
+            sds((1, T, HV), jnp.float32), sds((N, HV, K, V), jnp.float32),
+            sds((N + 1,), jnp.int32))
+
+
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+def test_cuda_gradient_uses_the_backward_walk_kernel(save_mode):
+    """The gradient of gdn(backend="cuda") calls the kernel and has no while loop left from the
+    walk, where the xla backend's gradient has its reverse scan."""
+    _need_ext()
+    args = _abstract_gdn()
+    assert primitives._cuda_primitives().walk_bwd is not X.walk_bwd
+    hlo = _lower_cuda(_grad_fn("cuda", save_mode), *args)
+    assert len(re.findall(r"custom_call @jax_cake_gdn_walk_bwd", hlo)) == 1
+    assert "stablehlo.while" not in hlo
+    assert "stablehlo.while" in _lower_cuda(_grad_fn("xla", save_mode), *args)
+
+
+def test_bad_inputs_raise_value_error():
+    T, H, HV, K, V, NC, S = 100, 2, 6, 128, 128, 4, 3
+    q = jnp.zeros((T, H, K), jnp.bfloat16)
+    w = jnp.zeros((T, HV, K), jnp.float32)
+    G = jnp.zeros((T, HV), jnp.float32)
+    do = jnp.zeros((T, HV, V), jnp.bfloat16)
+    df = jnp.zeros((S, HV, K, V), jnp.float32)
+    cs = jnp.zeros((NC,), jnp.int32)
+    s = jnp.zeros((S,), jnp.int32)
+
+    def call(**kw):
+        a = dict(q=q, k=q, w=w, G=G, do=do, dfinal=df, scores=None, rstd_q=None, rstd_k=None,
+                 chunk_start=cs, chunk_len=cs, seg_first=s, seg_last=s, seg_len=s)
+        a.update(kw)
+        return cuda.walk_bwd(*a.values(), scale=0.1)
+
+    cases = [
+        (dict(q=q.astype(jnp.float16)), "q must be bfloat16 or float32"),
+        (dict(k=q[:, :1]), "k must have q's shape"),
+        (dict(k=q.astype(jnp.float32)), "k must have q's dtype"),
+        (dict(q=jnp.zeros((T, H, 96), jnp.bfloat16), k=jnp.zeros((T, H, 96), jnp.bfloat16)),
+         "K = 96"),
+        (dict(do=jnp.zeros((T, HV, 80), jnp.bfloat16)), "V = 80"),
+        (dict(do=do[:, :5]), "multiple of H"),
+        (dict(do=do[:50]), "do must be"),
+        (dict(w=w[..., :64]), "w must have shape"),
+        (dict(w=w.astype(jnp.bfloat16)), "w must be float32"),
+        (dict(G=G[:, :2]), "G must have shape"),
+        (dict(dfinal=df[:2]), "dfinal must have shape"),
+        (dict(scores=jnp.zeros((NC, HV, 64, 32), jnp.float32)), "scores must have shape"),
+        (dict(rstd_q=jnp.zeros((T, H + 1), jnp.float32)), "rstd_q"),
+        (dict(rstd_k=jnp.zeros((T, H), jnp.bfloat16)), "rstd_k must be float32"),
+        (dict(chunk_len=cs[:2]), "chunk_len"),
+        (dict(seg_last=s[:2]), "seg_last"),
+        (dict(seg_first=s.astype(jnp.int16)), "seg_first must be int32"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            call(**kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU host
+# ------------------------------------------------------------------------------------------------
+
+# (name, H, HV, K, V, dtype, qk_l2norm)
+CONFIGS = [
+    ("gva16x48-bf16-l2", 16, 48, 128, 128, jnp.bfloat16, True),
+    ("gva2x6-bf16-nol2", 2, 6, 128, 128, jnp.bfloat16, False),
+    ("gva2x6-f32-l2-k64v64", 2, 6, 64, 64, jnp.float32, True),
+    ("gva1x4-bf16-k128v64-nol2", 1, 4, 128, 64, jnp.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_gpu_walk_bwd_matches_xla(cfg):
+    _need_gpu()
+    name, H, HV, K, V, dtype, l2 = cfg
+    inp = make_walk_inputs(zlib.crc32(name.encode()), H=H, HV=HV, K=K, V=V, dtype=dtype,
+                           qk_l2norm=l2)
+    out, length = walk_pairs(inp, l2)
+    used = np.asarray(length) > 0
+    assert (~used).sum() == 4 and not used[-4:].any()
+    dS_x, dh0_x = (np.asarray(a) for a in out["xla"])
+    errs = {}
+    for key in ("cuda", "cuda_sc", "cuda_scc"):
+        dS, dh0 = (np.asarray(a) for a in out[key])
+        assert dS.shape == dS_x.shape and dh0.shape == dh0_x.shape, key
+        assert np.isfinite(dS).all() and np.isfinite(dh0).all(), key
+        errs[key] = (rel(dS[used], dS_x[used]), rel(dh0, dh0_x))
+        # unused chunk slots: the xla reverse scan carries its zero start there
+        assert (dS[~used] == 0).all(), key
+        np.testing.assert_allclose(dS_x[~used], 0.0, atol=1e-6)
+        # empty documents (1 and 5): dh0 = dfinal, exactly
+        df = np.asarray(inp["dfinal"])
+        np.testing.assert_array_equal(dh0[[1, 5]], df[[1, 5]])
+    print(f"\n[{name}] cuda walk_bwd vs xla rel RMS (dS_end used chunks, dh0): " +
+          ", ".join(f"{k}={a:.1e}/{b:.1e}" for k, (a, b) in errs.items()))
+    for key, (a, b) in errs.items():
+        assert a <= TOL and b <= TOL, (key, a, b)
+    # with the cuda forward's own scores the kernel sees the same bf16 Att as when it recomputes
+    c1, c2 = out["cuda"], out["cuda_scc"]
+    assert rel(c2[0], c1[0]) <= 1e-4 and rel(c2[1], c1[1]) <= 1e-4
+    print(f"[{name}] recompute vs cuda scores bitwise equal: "
+          f"{all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(c1, c2))}")
+
+
+_POISON_CHECK = textwrap.dedent("""
+    import os, sys
+    import numpy as np, jax, jax.numpy as jnp
+    sys.path.insert(0, os.path.dirname({here!r}))
+    from test_cuda_bwd import make_walk_inputs, walk_pairs, CONFIGS
+    from jax_cake_gdn.primitives import cuda
+    assert os.environ["JAX_CAKE_GDN_POISON"] == "1"
+    for name, H, HV, K, V, dtype, l2 in CONFIGS[1:3]:
+        inp = make_walk_inputs(3, H=H, HV=HV, K=K, V=V, dtype=dtype, qk_l2norm=l2)
+        out, _ = walk_pairs(inp, l2)
+        for key in ("cuda", "cuda_sc", "cuda_scc"):
+            for a in out[key]:
+                assert np.isfinite(np.asarray(a)).all(), (name, key)
+    # poison is live: chunk 1 has tokens but no segment claims it, chunk 2 is not after the last
+    # used chunk: both stay NaN; chunk 0 and dh0 are written
+    T, HV, K, V = 192, 2, 64, 64
+    q = jnp.ones((T, 1, K), jnp.bfloat16)
+    i32 = lambda *x: jnp.asarray(x, jnp.int32)
+    dS, dh0 = jax.jit(cuda.walk_bwd, static_argnames="scale")(
+        q, q, jnp.zeros((T, HV, K)), jnp.zeros((T, HV)), jnp.ones((T, HV, V), jnp.bfloat16),
+        jnp.ones((1, HV, K, V)), None, None, None, i32(0, 64, 128), i32(64, 64, 0), i32(0),
+        i32(0), i32(64), scale=0.1)
+    dS, dh0 = np.asarray(dS), np.asarray(dh0)
+    assert np.isfinite(dS[0]).all() and np.isfinite(dh0).all()
+    assert np.isnan(dS[1]).all() and np.isnan(dS[2]).all()
+    print("OK")
+""")
+
+
+def test_gpu_walk_bwd_finite_under_poison():
+    _need_gpu()
+    env = dict(os.environ, JAX_CAKE_GDN_POISON="1")
+    code = _POISON_CHECK.format(here=os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+_GRAD_CHECK = textwrap.dedent("""
+    import os, sys
+    import numpy as np, jax, jax.numpy as jnp
+    sys.path.insert(0, os.path.dirname({here!r}))
+    from test_cuda_bwd import make_walk_inputs, rel, TOL
+    from jax_cake_gdn import gdn, primitives
+    from jax_cake_gdn.primitives import xla
+    from jax_cake_gdn.reference import gdn_reference_vjp
+    assert primitives._cuda_primitives().walk_bwd is not xla.walk_bwd
+    for H, HV, K, V, l2 in ((2, 6, 128, 128, True),):
+        i = make_walk_inputs(21 + K, H=H, HV=HV, K=K, V=V, qk_l2norm=l2)
+        add = lambda x: x[None]
+        q, k, v, g, beta, do = (add(i[n]) for n in ("q", "k", "v", "g", "beta", "do"))
+        h0, dfin, cu = i["h0"], i["dfinal"], i["cu"]
+        _, _, ref = gdn_reference_vjp(q, k, v, g, beta, do, dfin, cu_seqlens=cu, qk_l2norm=l2,
+                                      initial_state=h0)
+        names = ("q", "k", "v", "g", "beta", "initial_state")
+        got = {{}}
+        for mode in ("light", "full"):
+            def loss(q, k, v, g, beta, h0):
+                o, fin = gdn(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=l2, initial_state=h0,
+                             output_final_state=True, save_mode=mode, backend="cuda")
+                return (jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+                        + jnp.sum(fin * dfin))
+            f = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
+            assert "jax_cake_gdn_walk_bwd" in f.lower(q, k, v, g, beta, h0).as_text()
+            grads = f(q, k, v, g, beta, h0)
+            errs = {{n: rel(np.asarray(d, np.float32), ref[n]) for n, d in zip(names, grads)}}
+            print(f"[grad K={{K}} l2={{l2}} {{mode}}] rel RMS vs f64 reference: " +
+                  ", ".join(f"{{a}}={{b:.1e}}" for a, b in errs.items()))
+            for n, d in zip(names, grads):
+                assert np.isfinite(np.asarray(d, np.float32)).all(), (mode, n)
+            for n, e in errs.items():
+                assert e <= TOL, (K, l2, mode, n, e)
+            got[mode] = grads
+        for n, a, b in zip(names, got["light"], got["full"]):
+            e = rel(np.asarray(a, np.float32), np.asarray(b, np.float32))
+            print(f"  light vs full {{n}}: {{e:.1e}}")
+            assert np.array_equal(np.asarray(a), np.asarray(b)), ("light != full", n, e)
+    print("OK")
+""")
+
+
+def test_gpu_gradients_with_cuda_walk_bwd():
+    """gdn(backend="cuda") gradients against the f64 reference; light and full bitwise equal."""
+    _need_gpu()
+    code = _GRAD_CHECK.format(here=os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=600)
+    print(r.stdout[-3000:])
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
