@@ -45,7 +45,7 @@ assert jax.__version__ == "0.11.2" and jaxlib.__version__ == "0.11.2"
 PYEOF
 then
   echo "setup: installing jax==0.11.2 jaxlib==0.11.2, flax and the build/test tools" >&2
-  "${PIP[@]}" "jax==0.11.2" "jaxlib==0.11.2" pytest "nanobind>=2.0" "scikit-build-core>=0.10" \
+  "${PIP[@]}" "jax==0.11.2" "jaxlib==0.11.2" pytest "nanobind>=2.0" "scikit-build-core>=0.11" \
     numpy "flax>=0.12"
 fi
 echo "setup: building and installing jax-cake-gdn (editable)" >&2
