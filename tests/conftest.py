@@ -20,6 +20,23 @@ def rel_rms(x, ref):
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
+def need_ext():
+    """Skip unless the CUDA extension jax_cake_gdn._cuda was built."""
+    from jax_cake_gdn.primitives import cuda
+
+    if not cuda.available():
+        pytest.skip(f"jax_cake_gdn._cuda not built: {cuda.unavailable_reason()}")
+
+
+def need_gpu():
+    """Skip unless the extension is built and a CUDA GPU is visible."""
+    from jax_cake_gdn.primitives import cuda
+
+    need_ext()
+    if not cuda.gpu_available():
+        pytest.skip("no CUDA GPU")
+
+
 def make_inputs(rng, *, B=1, T=200, H=2, HV=4, K=32, V=32, dtype=jnp.float32, qk_l2norm=False,
                 num_states=None):
     """Fresh random GDN inputs: g = log-sigmoid (<= 0), beta in (0, 1). Without the in-op L2 norm,

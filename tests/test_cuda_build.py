@@ -17,23 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import need_ext, need_gpu
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_cake_gdn.primitives import cuda
 
 CHUNK = 64
-
-
-def _need_ext():
-    if not cuda.available():
-        pytest.skip(f"jax_cake_gdn._cuda not built: {cuda.unavailable_reason()}")
-
-
-def _need_gpu():
-    _need_ext()
-    if not cuda.gpu_available():
-        pytest.skip("no CUDA GPU")
 
 
 def _lower_cuda(f, *args) -> str:
@@ -70,7 +60,7 @@ def _numpy_gate_cumsum(g, starts, lens):
 
 
 def test_extension_registrations():
-    _need_ext()
+    need_ext()
     import jax_cake_gdn._cuda as ext
 
     regs = ext.registrations()
@@ -83,7 +73,7 @@ def test_extension_registrations():
 
 
 def test_lower_for_cuda_emits_custom_call():
-    _need_ext()
+    need_ext()
     g = jnp.zeros((300, 6), jnp.float32)
     starts, lens = _tables(np.random.default_rng(0), 300)
     hlo = _lower_cuda(cuda.gate_cumsum, g, jnp.asarray(starts), jnp.asarray(lens))
@@ -106,7 +96,7 @@ def test_bad_inputs_raise_value_error():
 
 @pytest.mark.parametrize("varying", ["g", "tables", "both"])
 def test_shard_map_results_carry_vma(varying):
-    _need_ext()
+    need_ext()
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     mesh = jax.make_mesh((4, 2), ("a", "b"))
@@ -182,7 +172,7 @@ _GPU_CHECK = textwrap.dedent("""
 
 
 def test_gpu_gate_cumsum_matches_numpy_with_poison():
-    _need_gpu()
+    need_gpu()
     env = dict(os.environ, JAX_CAKE_GDN_POISON="1")
     code = _GPU_CHECK.format(here=os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import need_ext, need_gpu
 
 from jax_cake_gdn import gdn, primitives
 from jax_cake_gdn.chunks import chunk_table
@@ -32,17 +33,6 @@ from jax_cake_gdn.primitives import xla as X
 
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)  # T = 1193, 7 segments, NC = 25 (21 used)
 TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
-
-
-def _need_ext():
-    if not cuda.available():
-        pytest.skip(f"jax_cake_gdn._cuda not built: {cuda.unavailable_reason()}")
-
-
-def _need_gpu():
-    _need_ext()
-    if not cuda.gpu_available():
-        pytest.skip("no CUDA GPU")
 
 
 def rel(x, ref) -> float:
@@ -124,7 +114,7 @@ def _abstract_walk(T=300, H=2, HV=6, K=128, V=128, S=5, NC=9, dtype=jnp.bfloat16
 @pytest.mark.parametrize("with_scores", [False, True])
 @pytest.mark.parametrize("l2", [True, False])
 def test_lower_walk_bwd_for_cuda(with_scores, l2):
-    _need_ext()
+    need_ext()
     a = _abstract_walk()
 
     def f(q, k, w, G, do, dfinal, scores, rq, rk, cs, cl, sf, sl, sn):
@@ -163,7 +153,7 @@ def _abstract_gdn(T=300, H=2, HV=6, K=128, V=128, N=5):
 def test_cuda_gradient_uses_the_backward_walk_kernel(save_mode):
     """The gradient of gdn(backend="cuda") calls the kernel and has no while loop left from the
     walk, where the xla backend's gradient has its reverse scan."""
-    _need_ext()
+    need_ext()
     args = _abstract_gdn()
     assert primitives._cuda_primitives().walk_bwd is not X.walk_bwd
     hlo = _lower_cuda(_grad_fn("cuda", save_mode), *args)
@@ -228,7 +218,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_gpu_walk_bwd_matches_xla(cfg):
-    _need_gpu()
+    need_gpu()
     name, H, HV, K, V, dtype, l2 = cfg
     inp = make_walk_inputs(zlib.crc32(name.encode()), H=H, HV=HV, K=K, V=V, dtype=dtype,
                            qk_l2norm=l2)
@@ -289,7 +279,7 @@ _POISON_CHECK = textwrap.dedent("""
 
 
 def test_gpu_walk_bwd_finite_under_poison():
-    _need_gpu()
+    need_gpu()
     env = dict(os.environ, JAX_CAKE_GDN_POISON="1")
     code = _POISON_CHECK.format(here=os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -342,7 +332,7 @@ _GRAD_CHECK = textwrap.dedent("""
 
 def test_gpu_gradients_with_cuda_walk_bwd():
     """gdn(backend="cuda") gradients against the f64 reference; light and full bitwise equal."""
-    _need_gpu()
+    need_gpu()
     code = _GRAD_CHECK.format(here=os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=600)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import need_ext, need_gpu
 
 from jax_cake_gdn import gdn, primitives
 from jax_cake_gdn.chunks import chunk_table
@@ -32,17 +33,6 @@ FWD_TARGETS = ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "out
 # documents: a length-1 one, an empty one, 63, 64, 65, another empty one, 1000 (T = 1193)
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)
 TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
-
-
-def _need_ext():
-    if not cuda.available():
-        pytest.skip(f"jax_cake_gdn._cuda not built: {cuda.unavailable_reason()}")
-
-
-def _need_gpu():
-    _need_ext()
-    if not cuda.gpu_available():
-        pytest.skip("no CUDA GPU")
 
 
 def rel(x, ref) -> float:
@@ -151,7 +141,7 @@ def _fwd(backend, qk_l2norm=True):
 def test_lower_gdn_forward_for_cuda(qk_l2norm):
     """Every forward primitive is a custom call, and the forward has no while loop: the state walk
     is a kernel, not a scan."""
-    _need_ext()
+    need_ext()
     args = _abstract_inputs()
     hlo = _lower_cuda(_fwd("cuda", qk_l2norm), *args)
     targets = set(re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo))
@@ -165,7 +155,7 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm):
 def test_supports_and_resolve(monkeypatch):
     assert cuda.supports(128, 128) and cuda.supports(64, 128) and cuda.supports(64, 64)
     assert not cuda.supports(96, 128) and not cuda.supports(128, 256)
-    _need_ext()
+    need_ext()
     with pytest.raises(ValueError, match="K = 96"):
         primitives.resolve("cuda", K=96, V=128)
     with pytest.raises(ValueError, match="V = 32"):
@@ -178,7 +168,7 @@ def test_supports_and_resolve(monkeypatch):
 
 
 def test_unsupported_dims_raise_or_fall_back(monkeypatch):
-    _need_ext()
+    need_ext()
     args = _abstract_inputs(K=96)
     with pytest.raises(ValueError, match="K = 96"):
         _lower_cuda(_fwd("cuda"), *args)
@@ -244,7 +234,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_gpu_primitives_match_xla(cfg):
-    _need_gpu()
+    need_gpu()
     name, H, HV, K, V, dtype, l2, h0 = cfg
     inp = make_inputs(zlib.crc32(name.encode()), H=H, HV=HV, K=K, V=V, dtype=dtype, qk_l2norm=l2,
                       initial_state=h0)
@@ -268,7 +258,7 @@ def test_gpu_primitives_match_xla(cfg):
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_gpu_gdn_cuda_matches_reference(cfg):
-    _need_gpu()
+    need_gpu()
     from jax_cake_gdn.reference import gdn_reference
 
     name, H, HV, K, V, dtype, l2, h0 = cfg
@@ -317,7 +307,7 @@ _POISON_CHECK = textwrap.dedent("""
 
 
 def test_gpu_forward_finite_under_poison():
-    _need_gpu()
+    need_gpu()
     env = dict(os.environ, JAX_CAKE_GDN_POISON="1")
     code = _POISON_CHECK.format(here=os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
@@ -328,7 +318,7 @@ def test_gpu_forward_finite_under_poison():
 def test_gpu_gradients_through_cuda_forward():
     """The backward (xla primitives today) accepts the cuda forward's residuals; gradients agree
     with the f64 reference."""
-    _need_gpu()
+    need_gpu()
     from jax_cake_gdn.reference import gdn_reference_vjp
 
     inp = make_inputs(11, H=2, HV=6, dtype=jnp.bfloat16, qk_l2norm=True, initial_state=True)
