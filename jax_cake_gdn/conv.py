@@ -84,8 +84,9 @@ def doc_positions(bounds, T):
     return t - bounds[jnp.minimum(doc, bounds.shape[0] - 2)]
 
 
-def short_conv(x, weight, *, cu_seqlens=None, activation="silu", backend=None, axis_name=None,
-               layout="contiguous"):
+def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None = None,
+               activation: str | None = "silu", backend: str | None = None,
+               axis_name: str | None = None, layout: str = "contiguous") -> jax.Array:
     """Causal depthwise conv of width W <= 4 per document, then SiLU (or none).
 
     Args:

@@ -162,8 +162,10 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
     return (o, final) if output_final_state else o
 
 
-def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False,
-                 initial_state=None, save_mode="light", backend=None, num_ranks=None, **kcp_kw):
+def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale: float | None = None,
+                 qk_l2norm: bool = False, initial_state=None, save_mode: str = "light",
+                 backend: str | None = None, num_ranks: int | None = None,
+                 **kcp_kw) -> dict[str, tuple[tuple[int, ...], np.dtype, int]]:
     """Residuals kept for the backward: {name: (shape, dtype, bytes)}.
 
     Takes the arguments of `gdn` (arrays or jax.ShapeDtypeStruct); computes nothing on device.

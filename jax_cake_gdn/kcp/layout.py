@@ -114,14 +114,16 @@ def _permute(x, perm, axis):
     return x.at[idx].get(out_sharding=jax.typeof(x).sharding)
 
 
-def to_layout(x, cu_seqlens, layout: str, num_ranks: int, axis: int = 1):
+def to_layout(x: jax.Array, cu_seqlens: jax.Array, layout: str, num_ranks: int,
+              axis: int = 1) -> jax.Array:
     """Global packed x -> layout order along `axis` (then shard it with P(..., axis_name, ...))."""
     T = x.shape[axis]
     check_layout(layout, cu_seqlens, T, num_ranks)
     return _permute(x, layout_permutation(cu_seqlens, layout, num_ranks, T), axis)
 
 
-def from_layout(xs, cu_seqlens, layout: str, num_ranks: int, axis: int = 1):
+def from_layout(xs: jax.Array, cu_seqlens: jax.Array, layout: str, num_ranks: int,
+                axis: int = 1) -> jax.Array:
     """Layout order -> global packed order along `axis` (the inverse of to_layout)."""
     T = xs.shape[axis]
     check_layout(layout, cu_seqlens, T, num_ranks)
