@@ -270,6 +270,13 @@ def _table(fn: str, chunk_start, chunk_len):
     return cs, cl
 
 
+def _segments(fn: str, seg_first, seg_last, seg_len):
+    """The walks' segment table: (seg_first, seg_last, seg_len), int32 [S] each."""
+    sl = _i32(fn, "seg_len", seg_len)
+    S = sl.shape[0]
+    return _i32(fn, "seg_first", seg_first, S), _i32(fn, "seg_last", seg_last, S), sl
+
+
 def l2norm_rstd(x):
     """x [T, H, K] (bf16/f32) -> 1 / sqrt(sum x^2 + 1e-6), float32 [T, H]. Any K."""
     x = _qkv("l2norm_rstd", "x", x)
@@ -335,10 +342,8 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
-    sl = _i32(fn, "seg_len", seg_len)
+    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
     S = sl.shape[0]
-    sf = _i32(fn, "seg_first", seg_first, S)
-    sla = _i32(fn, "seg_last", seg_last, S)
     h0 = _f32(fn, "h0", h0, (S, HV, K, V))
     r = _rstd(fn, "rstd_k", rstd_k, T, H)
     return tuple(_call(fn, [((NC, HV, K, V), jnp.float32), ((T, HV, V), jnp.float32),
@@ -409,10 +414,8 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
-    sl = _i32(fn, "seg_len", seg_len)
+    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
     S = sl.shape[0]
-    sf = _i32(fn, "seg_first", seg_first, S)
-    sla = _i32(fn, "seg_last", seg_last, S)
     dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
     if scores is None:
         sc = jnp.asarray(_NO_RSTD)
