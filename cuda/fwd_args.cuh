@@ -55,6 +55,15 @@ inline std::string check_table(ffi::Span<const int64_t> start, ffi::Span<const i
   return {};
 }
 
+// The walks' segment table: seg_first, seg_last, seg_len all int32[S], S >= 1.
+inline std::string check_segments(ffi::Span<const int64_t> first, ffi::Span<const int64_t> last,
+                                  ffi::Span<const int64_t> len) {
+  if (len.size() != 1 || len[0] < 1) return "seg_len must be int32[S], got shape " + dims_str(len);
+  if (!(first == len && last == len))
+    return "seg_first, seg_last must match seg_len " + dims_str(len);
+  return {};
+}
+
 inline std::string check_heads(int64_t H, int64_t HV) {
   if (HV <= 0 || H <= 0 || HV % H != 0)
     return "HV = " + std::to_string(HV) + " must be a positive multiple of H = " +

@@ -46,12 +46,9 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rk));
   JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
   const int64_t NC = chunk_start.dimensions()[0];
-  const auto sd = seg_len.dimensions();
-  JCG_CHECK_ARG(sd.size() == 1 && sd[0] >= 1,
-                "seg_len must be int32[S], got shape " + dims_str(sd));
-  const int64_t S = sd[0];
-  JCG_CHECK_ARG(seg_first.dimensions() == sd && seg_last.dimensions() == sd,
-                "seg_first, seg_last must match seg_len " + dims_str(sd));
+  JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
+                               seg_len.dimensions()));
+  const int64_t S = seg_len.dimensions()[0];
   JCG_CHECK_ARG(S * HV * (V / kWbVT) < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(dfinal.dimensions(), {S, HV, K, V}),
                 "dfinal must be f32[S, HV, K, V], got shape " + dims_str(dfinal.dimensions()));
