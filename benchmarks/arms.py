@@ -13,6 +13,10 @@ for the cross-arm check, in a fixed order:
 
 `inputs` are the host numpy arrays of `Workload.make_inputs` (bf16 values held as float32).
 
+The callable `setup` returns may carry `peak_bytes` (int): the device memory one call needs. JAX
+arms take it from XLA's compiled memory analysis (arguments + outputs + temporaries - aliased);
+torch arms from `torch.cuda.max_memory_allocated()` over one call (inputs included).
+
 Adding an arm (e.g. the torch peers FlashQLA and FLA): write a factory `spec_options -> Arm`
 and add it to `FACTORIES`; set `framework="torch"` so the runner stops JAX from preallocating
 the GPU before it imports JAX. Arm specs on the command line are `name[:opt[:opt...]]`, e.g.
@@ -124,6 +128,30 @@ def _jax_sync(res):
     jax.block_until_ready(res)
 
 
+def _compiled_peak_bytes(fn, *args) -> Optional[int]:
+    """Device bytes one call of jitted `fn` needs, from XLA's memory analysis (None if unknown)."""
+    try:
+        m = fn.lower(*args).compile().memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes -
+                   m.alias_size_in_bytes)
+    except Exception:  # noqa: BLE001 - the analysis is optional on some platforms
+        return None
+
+
+def _jax_call(fn, *args):
+    """The zero-argument call of jitted `fn(*args)`, compiled and run once (ArmUnavailable if not)."""
+
+    def call():
+        return fn(*args)
+
+    try:
+        _jax_sync(call())  # compile now; backend="cuda" raises here where it cannot run
+    except Exception as e:  # noqa: BLE001 - any failure to build means "skip, with reason"
+        raise ArmUnavailable(f"{type(e).__name__}: {e}") from e
+    call.peak_bytes = _compiled_peak_bytes(fn, *args)
+    return call
+
+
 def jax_arm(backend: str, opts: List[str]) -> Arm:
     save_mode, det = "light", False
     for o in opts:
@@ -140,12 +168,7 @@ def jax_arm(backend: str, opts: List[str]) -> Arm:
         fn, names = build_jax_op(wl, op, backend=backend, save_mode=save_mode, deterministic=det)
         args = tuple(dev[n] for n in names)
         do, cu = dev["do"], dev["cu_seqlens"]
-        call = lambda: fn(args, do, cu)
-        try:
-            _jax_sync(call())  # compile now; backend="cuda" raises here where it cannot run
-        except Exception as e:  # noqa: BLE001 - any failure to build means "skip, with reason"
-            raise ArmUnavailable(f"{type(e).__name__}: {e}") from e
-        return call
+        return _jax_call(fn, args, do, cu)
 
     return Arm(name=name, setup=setup, sync=_jax_sync, to_numpy=_jax_to_numpy, framework="jax",
                options={"backend": backend, "save_mode": save_mode, "deterministic": det})
@@ -213,6 +236,11 @@ def torch_arm(kind: str, opts: List[str]) -> Arm:
         try:
             call()
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            res = call()
+            torch.cuda.synchronize()
+            call.peak_bytes = int(torch.cuda.max_memory_allocated())
+            del res
         except Exception as e:  # noqa: BLE001
             raise ArmUnavailable(f"{kind} failed: {type(e).__name__}: {e}") from e
         return call
@@ -229,11 +257,141 @@ def torch_arm(kind: str, opts: List[str]) -> Arm:
                options={"peer": kind})
 
 
+# ------------------------------------------------------------------------------------------------
+# Context parallelism: gdn_kcp under jax.shard_map over the first W devices
+# ------------------------------------------------------------------------------------------------
+
+_KCP_AXIS = "cp"
+
+
+def kcp_arm(opts: List[str]) -> Arm:
+    """`kcp:W[:layout][:exchange][:light|full][:xla][:P<n>][:xonly]`.
+
+    W ranks (the first W devices), layout contiguous (default) | zigzag | doc_zigzag, exchange
+    a2a (default) | ring, save mode, backend cuda (default) or xla, P segments per piece (default:
+    plan_kcp). The whole global batch is split over the ranks. `xonly` times the exchange alone
+    (the piece summaries of this plan through a2a or ring; fwd, or fwd+bwd through its
+    transpose) on random summaries of the right shapes: the time of the exchange itself.
+    """
+    if not opts or not opts[0].isdigit():
+        raise ValueError("arm kcp needs the rank count first, e.g. kcp:2")
+    W = int(opts[0])
+    cfg = dict(layout="contiguous", exchange="a2a", save_mode="light", backend="cuda",
+               segments=None)
+    xonly = False
+    for o in opts[1:]:
+        if o in ("contiguous", "zigzag", "doc_zigzag"):
+            cfg["layout"] = o
+        elif o in ("a2a", "ring"):
+            cfg["exchange"] = o
+        elif o in ("light", "full"):
+            cfg["save_mode"] = o
+        elif o in ("xla", "cuda"):
+            cfg["backend"] = o
+        elif o.startswith("P") and o[1:].isdigit():
+            cfg["segments"] = int(o[1:])
+        elif o == "xonly":
+            xonly = True
+        else:
+            raise ValueError(f"arm kcp: unknown option {o!r}")
+    name = ":".join(["kcp"] + opts)
+
+    def setup(wl, op, inputs):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as Ps
+
+        import jax_cake_gdn as jcg
+
+        if jax.device_count() < W:
+            raise ArmUnavailable(f"needs {W} devices, {jax.device_count()} visible")
+        if wl.layer:
+            raise ArmUnavailable("layer workloads are not wired for kcp")
+        mesh = jax.make_mesh((W,), (_KCP_AXIS,), devices=jax.devices()[:W])
+        tok, rep = NamedSharding(mesh, Ps(None, _KCP_AXIS)), NamedSharding(mesh, Ps())
+        dev = _jax_inputs(wl, inputs)
+        cu = dev["cu_seqlens"]
+        if xonly:
+            return _kcp_exchange_call(wl, op, cfg, W, mesh, cu)
+        names = ("q", "k", "v", "g", "beta")
+        lay = lambda x: jax.device_put(jcg.to_layout(x, cu, cfg["layout"], W), tok)
+        args = tuple(lay(dev[n]) for n in names)
+        do = lay(dev["do"])
+
+        def local(args, do, cu):
+            f = lambda *a: jcg.gdn_kcp(*a, cu_seqlens=cu, axis_name=_KCP_AXIS,
+                                       qk_l2norm=wl.qk_l2norm, **cfg)
+            if op == "fwd":
+                return f(*args)
+            body = jax.checkpoint(f) if op == "ckpt" else f
+            o, pull = jax.vjp(body, *args)
+            loss = jax.lax.psum(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)),
+                                _KCP_AXIS)
+            return loss, pull(do.astype(o.dtype))
+
+        spec = Ps(None, _KCP_AXIS)
+        out_specs = spec if op == "fwd" else (Ps(), (spec,) * 5)
+        fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=((spec,) * 5, spec, Ps()),
+                                   out_specs=out_specs))
+        return _jax_call(fn, args, do, jax.device_put(cu, rep))
+
+    def to_numpy(res):
+        import jax
+        import numpy as np
+
+        import jax_cake_gdn as jcg
+
+        cu = next(iter(_JAX_INPUT_CACHE.values()))["cu_seqlens"]
+        out = []
+        for x in jax.tree_util.tree_leaves(res):
+            if x.ndim >= 2:  # token arrays come back in layout order
+                x = jcg.from_layout(np.asarray(x), cu, cfg["layout"], W)
+            out.append(np.asarray(x, np.float32))
+        return out
+
+    return Arm(name=name, setup=setup, sync=_jax_sync, to_numpy=None if xonly else to_numpy,
+               framework="jax", options={**cfg, "ranks": W, "xonly": xonly})
+
+
+def _kcp_exchange_call(wl, op, cfg, W, mesh, cu):
+    """Time the exchange alone on random summaries of the plan's shapes (see kcp_arm)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as Ps
+
+    from jax_cake_gdn.kcp import exchange as ex
+    from jax_cake_gdn.kcp.layout import chains_and_m
+
+    C, m = chains_and_m(cfg["layout"], len(wl.doc_lens))
+    rng = np.random.default_rng(0)
+    shape = (W * C, m, wl.HV, wl.K)
+    M = jnp.asarray(rng.standard_normal(shape + (wl.K,)) * wl.K**-0.5, jnp.float32)
+    B = jnp.asarray(rng.standard_normal(shape + (wl.V,)), jnp.float32)
+    sh = NamedSharding(mesh, Ps(_KCP_AXIS))
+    M, B = jax.device_put(M, sh), jax.device_put(B, sh)
+    xch = ex.a2a if cfg["exchange"] == "a2a" else ex.ring
+
+    def local(M, B):
+        if op == "fwd":
+            return xch(M, B, _KCP_AXIS, W)
+        out, pull = jax.vjp(lambda M, B: xch(M, B, _KCP_AXIS, W), M, B)
+        return pull(out)
+
+    spec = Ps(_KCP_AXIS)
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec),
+                               out_specs=spec if op == "fwd" else (spec, spec)))
+    return _jax_call(fn, M, B)
+
+
 FACTORIES: Dict[str, Callable[[List[str]], Arm]] = {
     "xla": lambda opts: jax_arm("xla", opts),
     "cuda": lambda opts: jax_arm("cuda", opts),
     "flashqla": lambda opts: torch_arm("flashqla", opts),  # FlashQLA 0.1.3 (TileLang)
     "fla": lambda opts: torch_arm("fla", opts),  # flash-linear-attention 0.6.0 (Triton)
+    "kcp": kcp_arm,  # gdn_kcp over W devices
 }
 
 

@@ -154,18 +154,20 @@ def print_table(wl, rows, baseline, file=sys.stdout):
     print(f"\nworkload {wl.name}: T={wl.T} docs={list(wl.doc_lens)} heads=({wl.H},{wl.HV}) "
           f"K={wl.K} V={wl.V} {wl.dtype} l2norm={wl.qk_l2norm} layer={wl.layer}", file=file)
     hdr = f"{'arm':<16} {'op':<8} {'median ms':>10} {'drift %':>8} {'x ' + (baseline or '-'):>12} " \
-          f"{'floor ms':>9} {'floor frac':>10} {'max err':>9}"
+          f"{'floor ms':>9} {'floor frac':>10} {'max err':>9} {'peak GiB':>9}"
     print(hdr, file=file)
     print("-" * len(hdr), file=file)
     for r in rows:
         ratio = f"{r['speedup_vs_baseline']:.2f}" if r.get("speedup_vs_baseline") else "-"
         err = r.get("check", {}).get("max_rel_rms")
         err = f"{err:.1e}" if err is not None else "-"
+        peak = f"{r['peak_bytes'] / 2**30:.2f}" if r.get("peak_bytes") else "-"
         print(f"{r['arm']:<16} {r['op']:<8} {r['median_ms']:>10.3f} {100 * r['drift']:>8.1f} "
-              f"{ratio:>12} {r['floor_ms']:>9.3g} {r['floor_fraction']:>10.3g} {err:>9}", file=file)
+              f"{ratio:>12} {r['floor_ms']:>9.3g} {r['floor_fraction']:>10.3g} {err:>9} {peak:>9}", file=file)
     print(f"(x {baseline}: baseline median / arm median, > 1 is faster; floor = max(FLOPs / "
           f"{workloads.PEAK_FLOPS / 1e12:.0f} TFLOP/s, bytes / {workloads.PEAK_BYTES / 1e12:.2f} "
-          "TB/s); max err: relative RMS vs the baseline arm's outputs)", file=file)
+          "TB/s); max err: relative RMS vs the baseline arm's outputs; peak GiB: device memory of "
+          "one call, see benchmarks/arms.py)", file=file)
 
 
 def main(argv=None):
@@ -239,6 +241,7 @@ def main(argv=None):
                          "baseline": base.name if base else None,
                          "speedup_vs_baseline": (base_med / s["median_ms"]) if base_med else None,
                          "floor_ms": fl["ms"], "floor_fraction": fl["ms"] / s["median_ms"],
+                         "peak_bytes": getattr(fns[a.name], "peak_bytes", None),
                          **({"check": checks[a.name]} if a.name in checks else {})})
         del fns, ready
 

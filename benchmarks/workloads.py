@@ -157,6 +157,9 @@ _BASE = {
     "B23": Workload("B23", (12288, 8192, 7168, 5120), H=16, HV=48),
     "long": Workload("long", (65536,), H=16, HV=48),
     "small_heads": Workload("small_heads", SMALL_HEADS_DOCS, H=2, HV=6),
+    # context-parallel scaling: one document of 131072 (CP2) and 262144 (CP4, CP8) tokens
+    "long131k": Workload("long131k", (131072,), H=16, HV=48),
+    "long262k": Workload("long262k", (262144,), H=16, HV=48),
     # CPU smoke: 3 uneven docs (one not a multiple of anything), GVA on.
     "tiny": Workload("tiny", (150, 97, 53), H=2, HV=4, K=32, V=32),
 }

@@ -72,3 +72,20 @@ def test_demo_cp(capsys):
     assert demo.main(argv) == 0
     out = capsys.readouterr().out
     assert "context parallel: 2 ranks" in out and "OK" in out and "compiled 1 time" in out
+
+
+def test_kcp_arms_on_host_devices(tmp_path):
+    # gdn_kcp over 2 of the 8 host devices equals gdn (checked against the xla arm), the
+    # exchange-only arm runs, and every JAX row reports its compiled peak bytes.
+    arms = ["xla", "kcp:2:xla", "kcp:2:zigzag:ring:xla:P2", "kcp:2:xla:xonly"]
+    res = run.main(["--workload", "tiny", "--ops", "fwd,fwd+bwd", "--arms", ",".join(arms),
+                    "--groups", "1", "--calls", "2", "--warmup", "1", "--out", str(tmp_path),
+                    "--tag", "kcp"])
+    got = {(r["arm"], r["op"]): r for r in res["results"]}
+    assert not res["skipped"], res["skipped"]
+    for op in ("fwd", "fwd+bwd"):
+        for arm in arms:
+            assert got[arm, op]["peak_bytes"] > 0
+        for arm in arms[1:3]:
+            assert got[arm, op]["check"]["max_rel_rms"] <= 1e-2, (arm, op)  # bf16 outputs
+        assert "check" not in got[arms[3], op]

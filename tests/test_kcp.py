@@ -1,7 +1,5 @@
 """Context parallelism on 8 CPU devices: gdn_kcp and the CP short conv equal one device."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,50 +11,21 @@ from jax.sharding import PartitionSpec as P
 import jax_cake_gdn as J
 from jax_cake_gdn.kcp import plan_kcp
 
-AX = "cp"
-NAMES = ("q", "k", "v", "g", "beta")
+from kcp_harness import AX, NAMES, docs_for, mesh as _mesh, run_conv_kcp, run_conv_one_device
+from kcp_harness import run_kcp as _run_kcp
+from kcp_harness import run_one_device as _run_one_device
 
 
-def docs_for(layout, W, T, rng):
-    """Uneven documents: some cross ranks, some start and end inside one rank (for doc_zigzag each
-    length is a multiple of 2W), and an empty one (repeated bound)."""
-    unit = 2 * W if layout == "doc_zigzag" else 1
-    n = T // unit
-    cuts = np.sort(rng.choice(np.arange(1, n), size=4, replace=False)) * unit
-    cuts[0] = unit  # a one-unit document first
-    return np.concatenate([[0], cuts, [cuts[-1]], [T]]).astype(np.int32)
-
-
-@functools.lru_cache(maxsize=None)
 def mesh(W):
-    return jax.make_mesh((W,), (AX,), devices=jax.devices("cpu")[:W])  # 8 host devices
+    return _mesh(tuple(jax.devices("cpu")[:W]))  # 8 host devices
 
 
 def run_kcp(W, layout, cu, args, do, **kw):
-    """(o, grads) of sum(o * do) through gdn_kcp, in global token order."""
-    m = mesh(W)
-    tok = NamedSharding(m, P(None, AX))
-    rep = NamedSharding(m, P())
-    cu_j = jnp.asarray(cu)
-    lay = lambda x: jax.device_put(J.to_layout(x, cu_j, layout, W), tok)
-
-    def local(q, k, v, g, beta, cu, do):
-        f = lambda *a: J.gdn_kcp(*a, cu_seqlens=cu, axis_name=AX, layout=layout, backend="xla",
-                                 **kw)
-        o, pull = jax.vjp(f, q, k, v, g, beta)
-        return o, pull(do.astype(o.dtype))
-
-    fn = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX),) * 5 + (P(), P(None, AX)),
-                               out_specs=(P(None, AX), (P(None, AX),) * 5)))
-    o, grads = fn(*[lay(x) for x in args], jax.device_put(cu_j, rep), lay(do))
-    back = lambda x: np.asarray(J.from_layout(x, cu_j, layout, W))
-    return back(o), [back(x) for x in grads]
+    return _run_kcp(jax.devices("cpu")[:W], layout, cu, args, do, backend="xla", **kw)
 
 
 def run_one_device(cu, args, do):
-    f = lambda *a: J.gdn(*a, cu_seqlens=jnp.asarray(cu), backend="xla")
-    o, pull = jax.vjp(f, *args)
-    return np.asarray(o), [np.asarray(x) for x in pull(do)]
+    return _run_one_device(jax.devices("cpu")[0], cu, args, do, backend="xla")
 
 
 CASES = [(W, layout, exchange) for W in (1, 2, 4, 8)
@@ -119,23 +88,10 @@ def test_short_conv_kcp_matches_one_device(rng, W, layout):
     x = jnp.asarray(rng.standard_normal((1, T, C)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((C, 4)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((1, T, C)), jnp.float32)
-    y_ref, pull = jax.vjp(lambda x, w: J.short_conv(x, w, cu_seqlens=jnp.asarray(cu)), x, w)
-    dx_ref, dw_ref = pull(dy)
-    m = mesh(W)
-    tok, rep = NamedSharding(m, P(None, AX)), NamedSharding(m, P())
-    cu_j = jnp.asarray(cu)
-    lay = lambda a: jax.device_put(J.to_layout(a, cu_j, layout, W), tok)
-
-    def local(x, w, cu, dy):
-        y, pull = jax.vjp(lambda x, w: J.short_conv(x, w, cu_seqlens=cu, axis_name=AX,
-                                                    layout=layout), x, w)
-        return (y, *pull(dy))  # dw of a replicated weight is summed over ranks by JAX
-
-    fn = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX), P(), P(), P(None, AX)),
-                               out_specs=(P(None, AX), P(None, AX), P())))
-    y, dx, dw = fn(lay(x), jax.device_put(w, rep), jax.device_put(cu_j, rep), lay(dy))
-    assert rel_rms(J.from_layout(y, cu_j, layout, W), y_ref) <= 1e-6
-    assert rel_rms(J.from_layout(dx, cu_j, layout, W), dx_ref) <= 1e-6
+    y_ref, dx_ref, dw_ref = run_conv_one_device(jax.devices("cpu")[0], cu, x, w, dy)
+    y, dx, dw = run_conv_kcp(jax.devices("cpu")[:W], layout, cu, x, w, dy)
+    assert rel_rms(y, y_ref) <= 1e-6
+    assert rel_rms(dx, dx_ref) <= 1e-6
     assert rel_rms(dw, dw_ref) <= 1e-6
 
 
@@ -191,15 +147,16 @@ def test_lowered_step_has_the_exchange_collective(rng, exchange, collective):
 
     def local(q, k, v, g, beta, cu):
         f = lambda *a: jnp.sum(J.gdn_kcp(*a, cu_seqlens=cu, axis_name=AX, exchange=exchange,
-                                         backend=backend).astype(jnp.float32))
+                                         qk_l2norm=True, backend=backend).astype(jnp.float32))
         return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
 
     step = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX),) * 5 + (P(),),
                                  out_specs=(P(None, AX),) * 5))
     hlo = step.trace(*sds, cu).lower(lowering_platforms=("cuda",)).as_text()
     assert f"stablehlo.{collective}" in hlo
-    if backend == "cuda":
-        assert "jax_cake_gdn_" in hlo
+    if backend == "cuda":  # the kernels of the forward, the replay and the reverse walk
+        for name in ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "walk_bwd"):
+            assert f"jax_cake_gdn_{name}" in hlo, name
 
 
 def _call_kcp(W, **kw):
