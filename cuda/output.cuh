@@ -17,6 +17,30 @@ namespace jax_cake_gdn {
 
 constexpr int kOutThreads = 128;
 
+// Att rows 16w..16w+15 of this warp w, all 64 columns: tril_incl(Gam o Q K^T), unscaled.
+// qa: the warp's Q row fragments (bf16 Q tile, rows 16w.., normalised by rstd_q); Ks: the bf16 K
+// tile (normalised by rstd_k, zero rows beyond the chunk), pitch ld; sg: G of the chunk's 64 rows
+// (rows beyond the chunk repeat its last G). Shared by the output kernel and the fused walk
+// (state_walk.cuh, kOutput), so both build bit-identical scores.
+template <int KS>
+__device__ __forceinline__ void chunk_scores(float (&att)[8][4], const uint32_t (&qa)[KS][4],
+                                             const bf16* Ks, int ld, const float* sg) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3;
+  zero_acc(att);
+  mma_rt<KS, 8>(att, qa, Ks, ld);
+  const int i0 = 16 * warp + g, i1 = i0 + 8;
+  const float gi0 = sg[i0], gi1 = sg[i1];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = (e >> 1) ? i1 : i0, j = 8 * nt + 2 * qd + (e & 1);
+      const float gi = (e >> 1) ? gi1 : gi0;
+      att[nt][e] = j <= i ? __expf(gi - sg[j]) * att[nt][e] : 0.f;
+    }
+  }
+}
+
 template <int K>
 struct OutputSmem {
   static constexpr int KP = K + 8;
@@ -81,19 +105,9 @@ __global__ void __launch_bounds__(kOutThreads)
 
   // Att rows 16w.. x 64 columns
   float att[8][4];
-  zero_acc(att);
-  mma_rt<KS, 8>(att, qa, Ks, KP);
+  chunk_scores<KS>(att, qa, Ks, KP, sg);
   const int i0 = 16 * warp + g, i1 = i0 + 8;
   const float gi0 = sg[i0], gi1 = sg[i1];
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = (e >> 1) ? i1 : i0, j = 8 * nt + 2 * qd + (e & 1);
-      const float gi = (e >> 1) ? gi1 : gi0;
-      att[nt][e] = j <= i ? __expf(gi - sg[j]) * att[nt][e] : 0.f;
-    }
-  }
   if (scores != nullptr) {
     float* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
 #pragma unroll

@@ -1,4 +1,4 @@
-// FFI handler of the state walk (kernel in state_walk.cuh):
+// FFI handlers of the state walk and of the fused walk + output (kernel in state_walk.cuh):
 //
 //   jax_cake_gdn_state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
 //                           seg_len) -> h f32[NC, HV, K, V], v_new f32[T, HV, V],
@@ -6,6 +6,13 @@
 //
 // k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; u f32[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
 // rstd_k f32[T, H] or f32[0]; chunk table int32 (chunks.py). K, V in {64, 128}.
+//
+//   jax_cake_gdn_walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
+//                            seg_last, seg_len; scale) -> o [T, HV, V] (bf16 or f32, the result
+//                                                        type chooses), final f32[S, HV, K, V]
+//
+// The light forward's walk: o = output(state_walk(...)) with h and v_new kept on chip. q, k: same
+// shape and dtype; rstd_q f32[T, H] or f32[0]; the rest as state_walk.
 #include "fwd_args.cuh"
 #include "state_walk.cuh"
 
@@ -66,7 +73,9 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
                    chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
                    seg_last.typed_data(), seg_len.typed_data(), h->typed_data(),
                    v_new->typed_data(), final_state->typed_data(), T, static_cast<int>(H),
-                   static_cast<int>(HV), static_cast<int>(V), static_cast<int>(NC));
+                   static_cast<int>(HV), static_cast<int>(V), static_cast<int>(NC),
+                   static_cast<const In*>(nullptr), static_cast<const float*>(nullptr),
+                   static_cast<float*>(nullptr), 1.f);
     });
   });
   JCG_CHECK_CUDA(err);
@@ -92,5 +101,108 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // h
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+#undef JCG_HANDLER_NAME
+#define JCG_HANDLER_NAME "jax_cake_gdn_walk_output"
+
+namespace jax_cake_gdn {
+namespace {
+
+ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> u,
+                            ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
+                            ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                            ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                            ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
+                            ffi::Buffer<ffi::S32> seg_len, float scale,
+                            ffi::Result<ffi::AnyBuffer> o,
+                            ffi::ResultBuffer<ffi::F32> final_state) {
+  JCG_CHECK_MSG(check_qk("q", q));
+  const auto qd = q.dimensions();
+  const int64_t T = qd[0], H = qd[1], K = qd[2];
+  JCG_CHECK_ARG(k.dimensions() == qd, "k must have q's shape " + dims_str(qd) + ", got " +
+                                          dims_str(k.dimensions()));
+  JCG_CHECK_ARG(k.element_type() == q.element_type(),
+                std::string("k must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
+                    dtype_name(k.element_type()));
+  const auto ud = u.dimensions();
+  JCG_CHECK_ARG(ud.size() == 3 && ud[0] == T, "u must be f32[T, HV, V], got shape " + dims_str(ud));
+  const int64_t HV = ud[1], V = ud[2];
+  JCG_CHECK_MSG(check_heads(H, HV));
+  JCG_CHECK_MSG(check_v(V));
+  JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
+                "w must be f32[T, HV, K], got shape " + dims_str(w.dimensions()));
+  JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
+  bool has_rq = false, has_rk = false;
+  JCG_CHECK_MSG(check_rstd("rstd_q", rstd_q.dimensions(), T, H, has_rq));
+  JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rk));
+  JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
+  const int64_t NC = chunk_start.dimensions()[0];
+  JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
+                               seg_len.dimensions()));
+  const int64_t S = seg_len.dimensions()[0];
+  JCG_CHECK_ARG(S * HV * (V / kWalkVT) < (int64_t{1} << 31), "S * HV too large");
+  JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
+                "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions()));
+  JCG_CHECK_ARG(dims_are(o->dimensions(), {T, HV, V}),
+                "o must be [T, HV, V], got shape " + dims_str(o->dimensions()));
+  const ffi::DataType odt = o->element_type();
+  JCG_CHECK_ARG(odt == ffi::DataType::BF16 || odt == ffi::DataType::F32,
+                std::string("o must be bfloat16 or float32, got ") + dtype_name(odt));
+  JCG_CHECK_ARG(dims_are(final_state->dimensions(), {S, HV, K, V}),
+                "final must be f32[S, HV, K, V], got shape " + dims_str(final_state->dimensions()));
+
+  JCG_CHECK_CUDA(poison(stream, o->untyped_data(), o->size_bytes()));
+  JCG_CHECK_CUDA(poison(stream, *final_state));
+  cudaError_t err = cudaSuccess;
+  dispatch_float_type(q.element_type(), [&](auto tag) {
+    using In = typename decltype(tag)::type;
+    dispatch_float_type(odt, [&](auto otag) {
+      using Out = typename decltype(otag)::type;
+      dispatch_head_dim(K, [&](auto kdim) {
+        constexpr int KD = decltype(kdim)::value;
+        const dim3 grid(static_cast<unsigned>(S * HV * (V / kWalkVT)));
+        err = launch(state_walk_kernel<In, KD, true, Out>, grid, kWalkThreads,
+                     WalkSmem<In, KD, true>::bytes, stream,
+                     static_cast<const In*>(k.untyped_data()), w.typed_data(), u.typed_data(),
+                     G.typed_data(), h0.typed_data(),
+                     has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                     chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
+                     seg_last.typed_data(), seg_len.typed_data(), static_cast<float*>(nullptr),
+                     static_cast<float*>(nullptr), final_state->typed_data(), T,
+                     static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
+                     static_cast<int>(NC), static_cast<const In*>(q.untyped_data()),
+                     has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
+                     static_cast<Out*>(o->untyped_data()), scale);
+      });
+    });
+  });
+  JCG_CHECK_CUDA(err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_cake_gdn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output, jax_cake_gdn::walk_output_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // q
+                                  .Arg<xla::ffi::AnyBuffer>()              // k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // u
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
+                                  .Attr<float>("scale")
+                                  .Ret<xla::ffi::AnyBuffer>()              // o
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
                               {xla::ffi::Traits::kCmdBufferCompatible});

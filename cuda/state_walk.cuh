@@ -16,16 +16,29 @@
 //
 // Unused chunks (after every segment's chunks) get the exit state of the last used chunk, as the
 // xla scan gives; with no used chunk at all they get zeros. Empty segments: final = h0.
+//
+// kOutput (the fused walk_output of the light forward): the chunk output is computed in the walk,
+// and neither h nor v_new is written. The chunk's q streams in with w, k, u; per chunk:
+//   Att = tril_incl(Gam o Q K^T)            warp w: rows 16w.. (chunk_scores, as output.cuh), to
+//                                           a bf16 tile AttS shared by the 4 warps
+//   o[:, 16wv..] = scale (diag(e^G) Q S + Att v_new[:, 16wv..])      (per warp, its 16 columns)
+// Q S rides in product 1's loop (same B fragments from S, sign flipped), Att v_new reads the v_new
+// tile product 2 reads. Every operand is rounded to bf16 exactly as the separate output kernel
+// rounds h, v_new, q, k and Att, and every accumulation runs in the same order, so o matches
+// state_walk + output bit for bit (barring compiler contraction differences).
+// Cost (K = V = 128, bf16): 249 registers, 169 KB shared memory (q staging 16 KB, Q and K tiles
+// 17 KB each, Att 9 KB on top of the walk's 109.5 KB), so 1 CTA per SM (K = 64: 105 KB, 2).
 #pragma once
 
 #include "fwd_common.cuh"
+#include "output.cuh"
 
 namespace jax_cake_gdn {
 
 constexpr int kWalkThreads = 128;
 constexpr int kWalkVT = 64;  // V columns per CTA (4 warps x 16)
 
-template <typename In, int K>
+template <typename In, int K, bool kOutput = false>
 struct WalkSmem {
   static constexpr int KP = K + 8;         // bf16 pitch of Ws, Kd
   static constexpr int UP = kWalkVT + 8;   // f32 pitch of the u staging
@@ -42,7 +55,19 @@ struct WalkSmem {
   static constexpr size_t oWs = oStG + kStG;
   static constexpr size_t oKd = oWs + kWs;
   static constexpr size_t oVn = oKd + kWs;
-  static constexpr size_t bytes = oVn + kVn;
+  // kOutput only: q staging, rstd_q staging, G of the chunk (kept past the prefetch), the bf16
+  // Q and K tiles (normalised, no decay) and the bf16 Att tile.
+  static constexpr size_t kStQ = kOutput ? size_t{kChunk} * K * sizeof(In) : 0;
+  static constexpr size_t kRow = kOutput ? kChunk * sizeof(float) : 0;
+  static constexpr size_t kQK = kOutput ? kWs : 0;
+  static constexpr size_t kAtt = kOutput ? kVn : 0;
+  static constexpr size_t oStQ = oVn + kVn;
+  static constexpr size_t oStRq = oStQ + kStQ;
+  static constexpr size_t oSG = oStRq + kRow;
+  static constexpr size_t oQs = oSG + kRow;
+  static constexpr size_t oKs = oQs + kQK;
+  static constexpr size_t oAtt = oKs + kQK;
+  static constexpr size_t bytes = oAtt + kAtt;
 };
 
 // S^T fragment element (nt, e) of warp wv: value column v (in the tile) and key row k.
@@ -66,7 +91,9 @@ __device__ __forceinline__ void state_rw(float (&S)[K / 8][4], float* base, int 
   }
 }
 
-template <typename In, int K>
+// kOutput = false: qin (the q input), rstd_q and o are unused (nullptr). kOutput = true: h and
+// v_new are unused (nullptr); o [T, HV, V] in Out.
+template <typename In, int K, bool kOutput = false, typename Out = float>
 __global__ void __launch_bounds__(kWalkThreads)
     state_walk_kernel(const In* __restrict__ k, const float* __restrict__ w,
                       const float* __restrict__ u, const float* __restrict__ G,
@@ -75,8 +102,10 @@ __global__ void __launch_bounds__(kWalkThreads)
                       const int32_t* __restrict__ seg_first, const int32_t* __restrict__ seg_last,
                       const int32_t* __restrict__ seg_len, float* __restrict__ h,
                       float* __restrict__ v_new, float* __restrict__ final_state,
-                      int64_t num_tokens, int H, int HV, int V, int NC) {
-  using Sm = WalkSmem<In, K>;
+                      int64_t num_tokens, int H, int HV, int V, int NC,
+                      const In* __restrict__ qin, const float* __restrict__ rstd_q,  // nullable
+                      Out* __restrict__ o, float scale) {
+  using Sm = WalkSmem<In, K, kOutput>;
   constexpr int KP = Sm::KP, UP = Sm::UP, NP = Sm::NP;
   constexpr int KS = K / 16;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -88,6 +117,12 @@ __global__ void __launch_bounds__(kWalkThreads)
   bf16* Ws = reinterpret_cast<bf16*>(smem + Sm::oWs);
   bf16* Kd = reinterpret_cast<bf16*>(smem + Sm::oKd);
   bf16* Vn = reinterpret_cast<bf16*>(smem + Sm::oVn);
+  In* stQ = reinterpret_cast<In*>(smem + Sm::oStQ);         // kOutput only (the next 5)
+  float* stRq = reinterpret_cast<float*>(smem + Sm::oStRq);
+  float* sG = reinterpret_cast<float*>(smem + Sm::oSG);
+  bf16* Qs = reinterpret_cast<bf16*>(smem + Sm::oQs);
+  bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::oKs);
+  bf16* AttS = reinterpret_cast<bf16*>(smem + Sm::oAtt);
 
   // 1-D grid: V tiles of one (segment, head) adjacent (they read the same w, k: L2 hits), then
   // heads, then segments (segments given longest-first start first).
@@ -108,7 +143,7 @@ __global__ void __launch_bounds__(kWalkThreads)
   if (empty) {
     state_rw<K>(S, fin, V, true);
     // No used chunk at all (no tokens): every h is the zero state, written by segment 0.
-    if (s == 0 && NC > 0 && clen[0] <= 0) {
+    if (!kOutput && s == 0 && NC > 0 && clen[0] <= 0) {
       for (int c = 0; c < NC; ++c) {
         float* hp = h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0;
 #pragma unroll
@@ -141,6 +176,19 @@ __global__ void __launch_bounds__(kWalkThreads)
       const bool ok = t < cs.len;
       const In* src = ok ? k + ((cs.start + t) * H + hk) * K + ce : k;
       cp_async16(stK + t * K + ce, src, ok);
+    }
+    if constexpr (kOutput) {
+#pragma unroll 4
+      for (int idx = tid; idx < kChunk * kKv; idx += kWalkThreads) {
+        const int t = idx / kKv, ce = (idx % kKv) * kEl;
+        const bool ok = t < cs.len;
+        const In* src = ok ? qin + ((cs.start + t) * H + hk) * K + ce : qin;
+        cp_async16(stQ + t * K + ce, src, ok);
+      }
+      if (rstd_q != nullptr && tid < kChunk) {
+        const bool ok = tid < cs.len;
+        cp_async4(stRq + tid, ok ? rstd_q + (cs.start + tid) * H + hk : rstd_q, ok);
+      }
     }
     constexpr int kUv = kWalkVT / 4;
 #pragma unroll 4
@@ -182,7 +230,13 @@ __global__ void __launch_bounds__(kWalkThreads)
         lds8(stK + t * K + c8, f);
         const float r = rstd != nullptr ? stR[t] : 1.f;
         sts8_bf16(Kd + t * KP + c8, f, t < len ? r * __expf(GC - stG[t]) : 0.f);
+        if constexpr (kOutput) {  // as output.cuh's tile loads: x rstd, zero beyond len
+          sts8_bf16(Ks + t * KP + c8, f, r);
+          lds8(stQ + t * K + c8, f);
+          sts8_bf16(Qs + t * KP + c8, f, rstd_q != nullptr ? stRq[t] : 1.f);
+        }
       }
+      if (kOutput && tid < kChunk) sG[tid] = stG[min(tid, max(len - 1, 0))];
     }
     // u into the product-1 accumulators: acc[mt][nv] covers rows 16mt.., columns 16wv + 8nv..
     float acc[4][2][4];
@@ -200,10 +254,38 @@ __global__ void __launch_bounds__(kWalkThreads)
     __syncthreads();  // tiles ready; staging free
     if (c < c_last) prefetch(c + 1);
 
-    // h[c] = S (the state entering the chunk)
-    state_rw<K>(S, h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
+    // o accumulators (kOutput): rows 16mt.., this warp's columns 16wv + 8nv..
+    [[maybe_unused]] float oacc[4][2][4];
+    if constexpr (kOutput) {
+      // Att rows 16wv.. of this warp -> the shared bf16 tile (read by every warp after the
+      // barrier below)
+      {
+        uint32_t qa[KS][4];
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) lda_rm(qa[ks], Qs + (16 * warp) * KP + 16 * ks, KP);
+        float att[8][4];
+        chunk_scores<KS>(att, qa, Ks, KP, sG);
+        const int i0 = 16 * warp + g;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          *reinterpret_cast<uint32_t*>(AttS + i0 * NP + 8 * nt + 2 * q) =
+              pack_bf16(att[nt][0], att[nt][1]);
+          *reinterpret_cast<uint32_t*>(AttS + (i0 + 8) * NP + 8 * nt + 2 * q) =
+              pack_bf16(att[nt][2], att[nt][3]);
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nv = 0; nv < 2; ++nv) oacc[mt][nv][0] = oacc[mt][nv][1] = oacc[mt][nv][2] =
+            oacc[mt][nv][3] = 0.f;
+    } else {
+      // h[c] = S (the state entering the chunk)
+      state_rw<K>(S, h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
+    }
 
-    // product 1: v_new = u - Ws S
+    // product 1: v_new = u - Ws S (and with kOutput, oacc = Q S: the same fragments of S with
+    // the sign bits flipped, which is exact in bf16)
     {
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
@@ -217,10 +299,16 @@ __global__ void __launch_bounds__(kWalkThreads)
           lda_rm(a, Ws + (16 * mt) * KP + 16 * ks, KP);
           mma_bf16(acc[mt][0], a, b00, b01);
           mma_bf16(acc[mt][1], a, b10, b11);
+          if constexpr (kOutput) {
+            constexpr uint32_t kSign = 0x80008000u;
+            lda_rm(a, Qs + (16 * mt) * KP + 16 * ks, KP);
+            mma_bf16(oacc[mt][0], a, b00 ^ kSign, b01 ^ kSign);
+            mma_bf16(oacc[mt][1], a, b10 ^ kSign, b11 ^ kSign);
+          }
         }
       }
     }
-    // v_new out (f32, rows < len) and into this warp's columns of the bf16 tile
+    // v_new out (f32, rows < len; not with kOutput) and into this warp's columns of the bf16 tile
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
@@ -229,10 +317,42 @@ __global__ void __launch_bounds__(kWalkThreads)
         for (int half = 0; half < 2; ++half) {
           const int t = 16 * mt + g + 8 * half, vc = 16 * warp + 8 * nv + 2 * q;
           const float x0 = acc[mt][nv][2 * half], x1 = acc[mt][nv][2 * half + 1];
-          if (t < len) store2(v_new + ((cs.start + t) * HV + hv) * V + v0 + vc, x0, x1);
+          if (!kOutput && t < len)
+            store2(v_new + ((cs.start + t) * HV + hv) * V + v0 + vc, x0, x1);
           *reinterpret_cast<uint32_t*>(Vn + t * NP + vc) = pack_bf16(x0, x1);
         }
     __syncwarp();
+
+    if constexpr (kOutput) {
+      __syncthreads();  // AttS holds all 64 rows (the Vn columns read below are this warp's own)
+      // o = scale (diag(e^G) Q S + Att v_new), in output.cuh's order
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        const float eg0 = __expf(sG[16 * mt + g]), eg1 = __expf(sG[16 * mt + g + 8]);
+#pragma unroll
+        for (int nv = 0; nv < 2; ++nv) {
+          oacc[mt][nv][0] *= eg0;
+          oacc[mt][nv][1] *= eg0;
+          oacc[mt][nv][2] *= eg1;
+          oacc[mt][nv][3] *= eg1;
+        }
+        uint32_t pa[4][4];
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) lda_rm(pa[ks], AttS + (16 * mt) * NP + 16 * ks, NP);
+        mma_rm<4, 2>(oacc[mt], pa, Vn + 16 * warp, NP);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int t = 16 * mt + g + 8 * half;
+          if (t < len) {
+            Out* op = o + ((cs.start + t) * HV + hv) * V + v0 + 16 * warp + 2 * q;
+#pragma unroll
+            for (int nv = 0; nv < 2; ++nv)
+              store2(op + 8 * nv, scale * oacc[mt][nv][2 * half],
+                     scale * oacc[mt][nv][2 * half + 1]);
+          }
+        }
+      }
+    }
 
     // product 2: S^T = e^{G_C} S^T + v_new^T Kd
 #pragma unroll
@@ -249,7 +369,7 @@ __global__ void __launch_bounds__(kWalkThreads)
 
   state_rw<K>(S, fin, V, true);
   // The last used chunk's segment also fills the unused chunks' h with its exit state.
-  if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
+  if (!kOutput && c_last + 1 < NC && clen[c_last + 1] <= 0) {
     for (int c = c_last + 1; c < NC; ++c)
       state_rw<K>(S, h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
   }

@@ -40,13 +40,18 @@ def _forward(cfg: _Config, q, k, v, g, beta, h0, ct: ChunkTable):
     G = P.gate_cumsum(g, ct)
     A = P.solve_a(k, beta, G, rk, ct)
     w, u = P.wy(k, v, beta, G, A, rk, ct)
-    h, v_new, final = P.state_walk(k, w, u, G, h0, rk, ct)
     full = cfg.save_mode == "full"
-    if cfg.with_output:
-        o, scores = P.output(q, k, G, h, v_new, rq, rk, ct, scale=cfg.scale, out_dtype=v.dtype,
-                             with_scores=full)
+    if cfg.with_output and not full:  # light: h and v_new are not kept, the walk emits o itself
+        o, final = P.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=cfg.scale,
+                                 out_dtype=v.dtype)
+        scores = None
     else:
-        o, scores = jnp.zeros(v.shape[:2] + (0,), v.dtype), None
+        h, v_new, final = P.state_walk(k, w, u, G, h0, rk, ct)
+        if cfg.with_output:
+            o, scores = P.output(q, k, G, h, v_new, rq, rk, ct, scale=cfg.scale,
+                                 out_dtype=v.dtype, with_scores=full)
+        else:
+            o, scores = jnp.zeros(v.shape[:2] + (0,), v.dtype), None
     res = dict(q=q, k=k, v=v, beta=beta, h0=h0, G=G, A=A, rstd_q=rq, rstd_k=rk)
     if full:
         res.update(w=w, u=u, h=h, v_new=v_new, scores=scores)

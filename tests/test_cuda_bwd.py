@@ -1,14 +1,18 @@
-"""The cuda backward walk: walk_bwd (cuda/walk_bwd.cu), in the cuda primitive set.
+"""The cuda backward: walk_bwd (cuda/walk_bwd.cu) and chunk_bwd (cuda/chunk_bwd.cu), in the cuda
+primitive set.
 
-CPU host: the wrapper lowers for the cuda platform to the custom call (scores given, or a
-zero-size operand when recomputed); the gradient of gdn(backend="cuda") calls it and has no while
-loop left from the walk; bad inputs raise ValueError naming the argument.
+CPU host: the wrappers lower for the cuda platform to their custom calls (walk_bwd: scores given,
+or a zero-size operand when recomputed; chunk_bwd: rstd or zero-size operands); the gradient of
+gdn(backend="cuda") calls both kernels once and has no while loop; bad inputs raise ValueError
+naming the argument.
 GPU host: cuda walk_bwd against xla walk_bwd on identical inputs (made by the xla forward
 primitives) on uneven documents (1, 0, 63, 64, 65, 0, 1000 tokens; 4 unused chunk slots), GVA
 (16, 48) and (2, 6), L2 norm on and off, scores None and given, bf16 and f32, K/V 128 and 64
 (relative RMS <= 1e-2 on dS_end and dh0; dS_end of unused chunk slots is exactly 0, as xla gives);
-the same under JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite; and gdn gradients
-on the cuda backend against the float64 reference (<= 1e-2), light and full bitwise equal.
+the same under JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite; cuda chunk_bwd
+against xla chunk_bwd on the same inputs and configurations (every gradient, relative RMS <= 1e-2,
+every token row finite, also under poison); and gdn gradients on the cuda backend (both kernels)
+against the float64 reference (<= 1e-2), light and full bitwise equal.
 """
 
 from __future__ import annotations
@@ -92,6 +96,34 @@ def walk_pairs(inp, qk_l2norm):
                inp["dfinal"], inp["cu"])
 
 
+CB_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def chunk_bwd_pairs(inp, qk_l2norm):
+    """xla chunk_bwd and cuda chunk_bwd on the same inputs (the xla forward primitives and the
+    xla walk_bwd make A, h, v_new, dS_end). Returns {"xla": 5 arrays, "cuda": 5 arrays}."""
+    T, H, K = inp["q"].shape
+    scale = K**-0.5
+
+    @jax.jit
+    def run(q, k, v, g, beta, h0, do, dfinal, cu):
+        ct = chunk_table(cu, T)
+        rq = X.l2norm_rstd(q) if qk_l2norm else None
+        rk = X.l2norm_rstd(k) if qk_l2norm else None
+        G = X.gate_cumsum(g, ct)
+        A = X.solve_a(k, beta, G, rk, ct)
+        w, u = X.wy(k, v, beta, G, A, rk, ct)
+        h, vn, _ = X.state_walk(k, w, u, G, h0, rk, ct)
+        dS, _ = X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
+        return {"xla": X.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, dS, do, rq, rk, ct,
+                                   scale=scale),
+                "cuda": cuda.chunk_bwd(q, k, v, beta, G, A, h, vn, dS, do, rq, rk, ct.start,
+                                       ct.length, scale=scale)}
+
+    return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
+               inp["dfinal"], inp["cu"])
+
+
 # ------------------------------------------------------------------------------------------------
 # CPU host
 # ------------------------------------------------------------------------------------------------
@@ -132,6 +164,38 @@ def test_lower_walk_bwd_for_cuda(with_scores, l2):
     assert "stablehlo.while" not in hlo
 
 
+def _abstract_chunk(T=300, H=2, HV=6, K=128, V=128, NC=9, dtype=jnp.bfloat16):
+    sds = jax.ShapeDtypeStruct
+    f32, i32 = jnp.float32, jnp.int32
+    return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), v=sds((T, HV, V), dtype),
+                beta=sds((T, HV), f32), G=sds((T, HV), f32), A=sds((NC, HV, 64, 64), f32),
+                h=sds((NC, HV, K, V), f32), v_new=sds((T, HV, V), f32),
+                dS_end=sds((NC, HV, K, V), f32), do=sds((T, HV, V), dtype), rq=sds((T, H), f32),
+                rk=sds((T, H), f32), cs=sds((NC,), i32), cl=sds((NC,), i32))
+
+
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", [(128, 128), (128, 64), (64, 64)])
+def test_lower_chunk_bwd_for_cuda(dims, l2):
+    need_ext()
+    K, V = dims
+    a = _abstract_chunk(K=K, V=V)
+
+    def f(q, k, v, beta, G, A, h, v_new, dS_end, do, rq, rk, cs, cl):
+        return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rq if l2 else None,
+                              rk if l2 else None, cs, cl, scale=0.125)
+
+    hlo = _lower_cuda(f, *a.values())
+    calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_chunk_bwd" in ln]
+    assert len(calls) == 1, hlo
+    call = calls[0]
+    # per-value-head dQ, dK (f32), dV in v's dtype, dg, dbeta
+    assert (f"tensor<300x6x{K}xf32>, tensor<300x6x{K}xf32>, tensor<300x6x{V}xbf16>, "
+            "tensor<300x6xf32>, tensor<300x6xf32>") in call, call
+    assert ("tensor<0xf32>" in call) == (not l2)
+    assert "stablehlo.while" not in hlo
+
+
 def _grad_fn(backend, save_mode="light"):
     def loss(q, k, v, g, beta, h0, cu):
         o, fin = gdn(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=True, initial_state=h0,
@@ -150,14 +214,16 @@ def _abstract_gdn(T=300, H=2, HV=6, K=128, V=128, N=5):
 
 
 @pytest.mark.parametrize("save_mode", ["light", "full"])
-def test_cuda_gradient_uses_the_backward_walk_kernel(save_mode):
-    """The gradient of gdn(backend="cuda") calls the kernel and has no while loop left from the
-    walk, where the xla backend's gradient has its reverse scan."""
+def test_cuda_gradient_uses_the_backward_kernels(save_mode):
+    """The gradient of gdn(backend="cuda") calls the walk_bwd and chunk_bwd kernels once each and
+    has no while loop left from the walk, where the xla backend's gradient has its reverse scan."""
     need_ext()
     args = _abstract_gdn()
     assert primitives._cuda_primitives().walk_bwd is not X.walk_bwd
+    assert "chunk_bwd" in primitives.CUDA_KERNELS
     hlo = _lower_cuda(_grad_fn("cuda", save_mode), *args)
     assert len(re.findall(r"custom_call @jax_cake_gdn_walk_bwd", hlo)) == 1
+    assert len(re.findall(r"custom_call @jax_cake_gdn_chunk_bwd", hlo)) == 1
     assert "stablehlo.while" not in hlo
     assert "stablehlo.while" in _lower_cuda(_grad_fn("xla", save_mode), *args)
 
@@ -197,6 +263,43 @@ def test_bad_inputs_raise_value_error():
         (dict(chunk_len=cs[:2]), "chunk_len"),
         (dict(seg_last=s[:2]), "seg_last"),
         (dict(seg_first=s.astype(jnp.int16)), "seg_first must be int32"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            call(**kw)
+
+
+def test_chunk_bwd_bad_inputs_raise_value_error():
+    T, H, HV, K, V, NC = 100, 2, 6, 128, 128, 4
+    f32 = jnp.float32
+    q = jnp.zeros((T, H, K), jnp.bfloat16)
+    v = jnp.zeros((T, HV, V), jnp.bfloat16)
+    th = jnp.zeros((T, HV), f32)
+    st = jnp.zeros((NC, HV, K, V), f32)
+    cs = jnp.zeros((NC,), jnp.int32)
+
+    def call(**kw):
+        a = dict(q=q, k=q, v=v, beta=th, G=th, A=jnp.zeros((NC, HV, 64, 64), f32), h=st,
+                 v_new=jnp.zeros((T, HV, V), f32), dS_end=st, do=v, rstd_q=None, rstd_k=None,
+                 chunk_start=cs, chunk_len=cs)
+        a.update(kw)
+        return cuda.chunk_bwd(*a.values(), scale=0.1)
+
+    cases = [
+        (dict(v=v.astype(f32)), "v must have q's dtype"),
+        (dict(k=q[:, :1]), "k must have q's shape"),
+        (dict(q=jnp.zeros((T, H, 96), jnp.bfloat16), k=jnp.zeros((T, H, 96), jnp.bfloat16)),
+         "K = 96"),
+        (dict(v=jnp.zeros((T, HV, 80), jnp.bfloat16)), "V = 80"),
+        (dict(v=v[:, :5]), "multiple of H"),
+        (dict(do=v[:50]), "do must have v's shape"),
+        (dict(beta=th[:, :2]), "beta must have shape"),
+        (dict(A=jnp.zeros((NC, HV, 64, 32), f32)), "A must have shape"),
+        (dict(h=st[:2]), "h must have shape"),
+        (dict(dS_end=st.astype(jnp.bfloat16)), "dS_end must be float32"),
+        (dict(v_new=jnp.zeros((T, HV, 64), f32)), "v_new must have shape"),
+        (dict(rstd_k=jnp.zeros((T, H + 1), f32)), "rstd_k"),
+        (dict(chunk_len=cs[:2]), "chunk_len"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=re.escape(msg)):
@@ -249,19 +352,41 @@ def test_gpu_walk_bwd_matches_xla(cfg):
           f"{all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(c1, c2))}")
 
 
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_gpu_chunk_bwd_matches_xla(cfg):
+    need_gpu()
+    name, H, HV, K, V, dtype, l2 = cfg
+    inp = make_walk_inputs(zlib.crc32(name.encode()) + 1, H=H, HV=HV, K=K, V=V, dtype=dtype,
+                           qk_l2norm=l2)
+    out = chunk_bwd_pairs(inp, l2)
+    errs = {}
+    for n, a, b in zip(CB_NAMES, out["cuda"], out["xla"]):
+        assert a.shape == b.shape and a.dtype == b.dtype, (n, a.shape, b.shape, a.dtype, b.dtype)
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.isfinite(a).all(), n  # every token row belongs to a chunk and is written
+        errs[n] = rel(a, b)
+    print(f"\n[{name}] cuda chunk_bwd vs xla rel RMS: " +
+          ", ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+    for n, e in errs.items():
+        assert e <= TOL, (n, e)
+
+
 _POISON_CHECK = textwrap.dedent("""
     import os, sys
     import numpy as np, jax, jax.numpy as jnp
     sys.path.insert(0, os.path.dirname({here!r}))
-    from test_cuda_bwd import make_walk_inputs, walk_pairs, CONFIGS
+    from test_cuda_bwd import make_walk_inputs, walk_pairs, chunk_bwd_pairs, CONFIGS
     from jax_cake_gdn.primitives import cuda
     assert os.environ["JAX_CAKE_GDN_POISON"] == "1"
-    for name, H, HV, K, V, dtype, l2 in CONFIGS[1:3]:
+    for name, H, HV, K, V, dtype, l2 in CONFIGS:
         inp = make_walk_inputs(3, H=H, HV=HV, K=K, V=V, dtype=dtype, qk_l2norm=l2)
         out, _ = walk_pairs(inp, l2)
         for key in ("cuda", "cuda_sc", "cuda_scc"):
             for a in out[key]:
                 assert np.isfinite(np.asarray(a)).all(), (name, key)
+        # chunk_bwd: every token row of dq, dk, dv, dg, dbeta written (unused chunks write none)
+        for i, a in enumerate(chunk_bwd_pairs(inp, l2)["cuda"]):
+            assert np.isfinite(np.asarray(a, np.float32)).all(), (name, "chunk_bwd", i)
     # poison is live: chunk 1 has tokens but no segment claims it, chunk 2 is not after the last
     # used chunk: both stay NaN; chunk 0 and dh0 are written
     T, HV, K, V = 192, 2, 64, 64
@@ -296,7 +421,7 @@ _GRAD_CHECK = textwrap.dedent("""
     from jax_cake_gdn.primitives import xla
     from jax_cake_gdn.reference import gdn_reference_vjp
     assert primitives._cuda_primitives().walk_bwd is not xla.walk_bwd
-    for H, HV, K, V, l2 in ((2, 6, 128, 128, True),):
+    for H, HV, K, V, l2 in ((2, 6, 128, 128, True), (1, 4, 128, 64, False)):
         i = make_walk_inputs(21 + K, H=H, HV=HV, K=K, V=V, qk_l2norm=l2)
         add = lambda x: x[None]
         q, k, v, g, beta, do = (add(i[n]) for n in ("q", "k", "v", "g", "beta", "do"))
@@ -312,7 +437,8 @@ _GRAD_CHECK = textwrap.dedent("""
                 return (jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
                         + jnp.sum(fin * dfin))
             f = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
-            assert "jax_cake_gdn_walk_bwd" in f.lower(q, k, v, g, beta, h0).as_text()
+            text = f.lower(q, k, v, g, beta, h0).as_text()
+            assert "jax_cake_gdn_walk_bwd" in text and "jax_cake_gdn_chunk_bwd" in text
             grads = f(q, k, v, g, beta, h0)
             errs = {{n: rel(np.asarray(d, np.float32), ref[n]) for n, d in zip(names, grads)}}
             print(f"[grad K={{K}} l2={{l2}} {{mode}}] rel RMS vs f64 reference: " +
@@ -331,7 +457,8 @@ _GRAD_CHECK = textwrap.dedent("""
 
 
 def test_gpu_gradients_with_cuda_walk_bwd():
-    """gdn(backend="cuda") gradients against the f64 reference; light and full bitwise equal."""
+    """gdn(backend="cuda") gradients (walk_bwd and chunk_bwd kernels) against the f64 reference;
+    light and full bitwise equal."""
     need_gpu()
     code = _GRAD_CHECK.format(here=os.path.abspath(__file__))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,12 +1,14 @@
-"""The cuda forward kernels: l2norm_rstd, solve_a, wy, state_walk, output (cuda/*.cu).
+"""The cuda forward kernels: l2norm_rstd, solve_a, wy, state_walk, output, walk_output (cuda/*.cu).
 
 CPU host: `gdn(..., backend="cuda")` lowers for the cuda platform to the forward custom calls with
-no while loop of its own; unsupported head dims raise ValueError naming K or V (backend="cuda")
+no while loop of its own (light: the fused walk_output, never state_walk or output; full:
+state_walk and output); unsupported head dims raise ValueError naming K or V (backend="cuda")
 or fall back to xla (backend=None); wrappers reject bad inputs by name.
-GPU host: each cuda primitive against its xla twin on the same inputs, and `gdn(backend="cuda")`
-against the float64 reference (relative RMS <= 1e-2), on uneven documents (1, 63, 64, 65, 1000
-tokens, empty documents, unused chunk capacity), GVA (16, 48) and (2, 6), L2 norm on and off,
-initial state on and off, bf16 and f32 inputs, K = V = 128 and 64; the same under
+GPU host: each cuda primitive against its xla twin on the same inputs, the fused walk_output
+against the separate cuda state_walk + output (<= 1e-3), and `gdn(backend="cuda")` against the
+float64 reference (relative RMS <= 1e-2), on uneven documents (1, 63, 64, 65, 1000 tokens, empty
+documents, unused chunk capacity; and 1, 12288, 65, 1000), GVA (16, 48) and (2, 6), L2 norm on
+and off, initial state on and off, bf16 and f32 inputs, K = V = 128 and 64; the same under
 JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite.
 """
 
@@ -29,10 +31,15 @@ from jax_cake_gdn import gdn, primitives
 from jax_cake_gdn.chunks import chunk_table
 from jax_cake_gdn.primitives import cuda
 
-FWD_TARGETS = ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "output")
+# the forward's custom calls by save mode: light fuses the walk and the output (no h, no v_new)
+FWD_TARGETS = {"light": ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "walk_output"),
+               "full": ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "output")}
 # documents: a length-1 one, an empty one, 63, 64, 65, another empty one, 1000 (T = 1193)
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)
+# a long document (192 chunks, as B23's longest) between short ones and an empty one (T = 13354)
+LONG_DOC_LENS = (1, 12288, 0, 65, 1000)
 TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
+SEP_TOL = 1e-3  # fused walk_output vs the separate cuda state_walk + output (same bf16 roundings)
 
 
 def rel(x, ref) -> float:
@@ -94,6 +101,16 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         h, vn, fin = X.state_walk(k, w, u, G, h0, rk, ct)
         hc, vnc, finc = C.state_walk(k, w, u, G, h0, rk, ct)
         out["h"], out["v_new"], out["final"] = (hc, h), (vnc, vn), (finc, fin)
+        # the fused walk + output: vs xla, and vs the separate cuda kernels (keys "...~sep")
+        ow, finw = X.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale, out_dtype=v.dtype)
+        owc, finwc = C.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale,
+                                   out_dtype=v.dtype)
+        owc32, _ = C.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale,
+                                 out_dtype=jnp.float32)
+        osep, _ = C.output(q, k, G, hc, vnc, rq, rk, ct, scale=scale, out_dtype=v.dtype)
+        out["walk_output.o"], out["walk_output.final"] = (owc, ow), (finwc, finw)
+        out["walk_output.o_f32"] = (owc32, ow)
+        out["walk_output.o~sep"], out["walk_output.final~sep"] = (owc, osep), (finwc, finc)
         o, sc = X.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
                          with_scores=True)
         oc, scc = C.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
@@ -131,25 +148,50 @@ def _abstract_inputs(T=300, H=2, HV=6, K=128, V=128, N=5):
             sds((N, HV, K, V), jnp.float32))
 
 
-def _fwd(backend, qk_l2norm=True):
+def _fwd(backend, qk_l2norm=True, save_mode="light"):
     return lambda q, k, v, g, b, cu, h0: gdn(q, k, v, g, b, cu_seqlens=cu, qk_l2norm=qk_l2norm,
                                              initial_state=h0, output_final_state=True,
-                                             backend=backend)
+                                             save_mode=save_mode, backend=backend)
 
 
+def _targets(hlo) -> set:
+    return set(re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo))
+
+
+@pytest.mark.parametrize("save_mode", ["light", "full"])
 @pytest.mark.parametrize("qk_l2norm", [True, False])
-def test_lower_gdn_forward_for_cuda(qk_l2norm):
+def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     """Every forward primitive is a custom call, and the forward has no while loop: the state walk
-    is a kernel, not a scan."""
+    is a kernel, not a scan. The light forward runs the fused walk_output (no h tape, no v_new);
+    full keeps them, so it runs state_walk and output."""
     need_ext()
     args = _abstract_inputs()
-    hlo = _lower_cuda(_fwd("cuda", qk_l2norm), *args)
-    targets = set(re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo))
-    want = set(FWD_TARGETS) - (set() if qk_l2norm else {"l2norm_rstd"})
+    hlo = _lower_cuda(_fwd("cuda", qk_l2norm, save_mode), *args)
+    targets = _targets(hlo)
+    want = set(FWD_TARGETS[save_mode]) - (set() if qk_l2norm else {"l2norm_rstd"})
     assert want <= targets, (want, targets)
+    unwanted = {"state_walk", "output"} if save_mode == "light" else {"walk_output"}
+    assert not targets & unwanted, targets
     assert "stablehlo.while" not in hlo
-    xla_hlo = _lower_cuda(_fwd("xla", qk_l2norm), *args)
+    xla_hlo = _lower_cuda(_fwd("xla", qk_l2norm, save_mode), *args)
     assert "stablehlo.while" in xla_hlo  # the xla walk is a scan: the check can fail
+
+
+def test_lower_light_gradient_for_cuda():
+    """The light VJP: walk_output in the forward, the state walk replayed in the backward (it
+    needs h), and no separate output kernel anywhere."""
+    need_ext()
+    args = _abstract_inputs()
+
+    def loss(q, k, v, g, b, cu, h0):
+        o, fin = _fwd("cuda")(q, k, v, g, b, cu, h0)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(fin)
+
+    # value_and_grad: with grad alone the forward's o is dead code (d sum(o) / do is 1)
+    vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 6))
+    targets = _targets(_lower_cuda(vg, *args))
+    assert {"walk_output", "state_walk", "walk_bwd"} <= targets, targets
+    assert "output" not in targets, targets
 
 
 def test_supports_and_resolve(monkeypatch):
@@ -179,10 +221,10 @@ def test_unsupported_dims_raise_or_fall_back(monkeypatch):
     # dim and stays a kernel)
     monkeypatch.setattr(primitives, "cuda_ready", lambda: True)
     hlo = _lower_cuda(_fwd(None), *args)
-    targets = set(re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo))
-    assert not targets & {"solve_a", "wy", "state_walk", "output"}, targets
+    targets = _targets(hlo)
+    assert not targets & {"solve_a", "wy", "state_walk", "output", "walk_output"}, targets
     hlo = _lower_cuda(_fwd(None), *_abstract_inputs(K=64, V=64))
-    assert set(FWD_TARGETS) <= set(re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo))
+    assert set(FWD_TARGETS["light"]) <= _targets(hlo)
 
 
 def test_bad_inputs_raise_value_error():
@@ -216,28 +258,41 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="out_dtype"):
         cuda.output(k, k, f, jnp.zeros((NC, HV, K, V)), u, None, None, cs, cs, scale=1.0,
                     out_dtype=jnp.float16)
+    h0 = jnp.zeros((3, HV, K, V))
+    walk_output = lambda q=k, kk=k, h0=h0, rq=None, dt=jnp.bfloat16: cuda.walk_output(
+        q, kk, w, u, f, h0, rq, None, cs, cs, s, s, s, scale=1.0, out_dtype=dt)
+    with pytest.raises(ValueError, match="out_dtype"):
+        walk_output(dt=jnp.float16)
+    with pytest.raises(ValueError, match="k must have q's dtype"):
+        walk_output(kk=k.astype(jnp.float32))
+    with pytest.raises(ValueError, match="h0"):
+        walk_output(h0=h0[:2])
+    with pytest.raises(ValueError, match="rstd_q"):
+        walk_output(rq=jnp.zeros((T, H + 1), jnp.float32))
 
 
 # ------------------------------------------------------------------------------------------------
 # GPU host
 # ------------------------------------------------------------------------------------------------
 
-# (name, H, HV, K, V, dtype, qk_l2norm, initial_state)
+# (name, H, HV, K, V, dtype, qk_l2norm, initial_state, document lengths)
 CONFIGS = [
-    ("gva16x48-bf16-l2-h0", 16, 48, 128, 128, jnp.bfloat16, True, True),
-    ("gva2x6-bf16-nol2", 2, 6, 128, 128, jnp.bfloat16, False, False),
-    ("gva2x6-f32-l2-h0", 2, 6, 128, 128, jnp.float32, True, True),
-    ("gva2x6-bf16-k64v64-l2-h0", 2, 6, 64, 64, jnp.bfloat16, True, True),
-    ("gva1x4-bf16-k128v64-nol2-h0", 1, 4, 128, 64, jnp.bfloat16, False, True),
+    ("gva16x48-bf16-l2-h0", 16, 48, 128, 128, jnp.bfloat16, True, True, DOC_LENS),
+    ("gva16x48-bf16-l2-h0-long", 16, 48, 128, 128, jnp.bfloat16, True, True, LONG_DOC_LENS),
+    ("gva2x6-bf16-nol2", 2, 6, 128, 128, jnp.bfloat16, False, False, DOC_LENS),
+    ("gva2x6-f32-l2-h0", 2, 6, 128, 128, jnp.float32, True, True, DOC_LENS),
+    ("gva2x6-f32-k64v64-nol2-long", 2, 6, 64, 64, jnp.float32, False, False, LONG_DOC_LENS),
+    ("gva2x6-bf16-k64v64-l2-h0", 2, 6, 64, 64, jnp.bfloat16, True, True, DOC_LENS),
+    ("gva1x4-bf16-k128v64-nol2-h0", 1, 4, 128, 64, jnp.bfloat16, False, True, DOC_LENS),
 ]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_gpu_primitives_match_xla(cfg):
     need_gpu()
-    name, H, HV, K, V, dtype, l2, h0 = cfg
-    inp = make_inputs(zlib.crc32(name.encode()), H=H, HV=HV, K=K, V=V, dtype=dtype, qk_l2norm=l2,
-                      initial_state=h0)
+    name, H, HV, K, V, dtype, l2, h0, docs = cfg
+    inp = make_inputs(zlib.crc32(name.encode()), docs, H=H, HV=HV, K=K, V=V, dtype=dtype,
+                      qk_l2norm=l2, initial_state=h0)
     pairs = primitive_pairs(inp, l2)
     errs = {}
     for key, (c, x) in pairs.items():
@@ -251,6 +306,12 @@ def test_gpu_primitives_match_xla(cfg):
         assert errs["rstd_q"] < 1e-5
     for key, e in errs.items():
         assert e <= TOL, (key, e)
+    # the fused walk + output against the separate cuda kernels: the same bf16 roundings and
+    # accumulation order (bitwise equal is expected, printed, not required)
+    for key in ("walk_output.o~sep", "walk_output.final~sep"):
+        same = np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1]))
+        print(f"[{name}] {key}: rel {errs[key]:.1e}, bitwise equal: {same}")
+        assert errs[key] <= SEP_TOL, (key, errs[key])
     # (A, h and scores above include the unused chunk slots: A = I, h = the last exit state,
     # scores = 0, as xla.) Asking for scores does not change o.
     assert np.array_equal(np.asarray(pairs["o"][0]), np.asarray(pairs["o_noscores"][0]))
@@ -261,8 +322,8 @@ def test_gpu_gdn_cuda_matches_reference(cfg):
     need_gpu()
     from jax_cake_gdn.reference import gdn_reference
 
-    name, H, HV, K, V, dtype, l2, h0 = cfg
-    inp = make_inputs(zlib.crc32(name.encode()) + 1, H=H, HV=HV, K=K, V=V, dtype=dtype,
+    name, H, HV, K, V, dtype, l2, h0, docs = cfg
+    inp = make_inputs(zlib.crc32(name.encode()) + 1, docs, H=H, HV=HV, K=K, V=V, dtype=dtype,
                       qk_l2norm=l2, initial_state=h0)
     o, fin = gdn_cuda(inp, l2)
     assert o.dtype == inp["v"].dtype and o.shape == inp["v"].shape
@@ -275,7 +336,9 @@ def test_gpu_gdn_cuda_matches_reference(cfg):
     assert eo <= TOL and ef <= TOL, (eo, ef)
     # documents of one token and empty ones: the final state of an empty document is h0
     if inp["initial_state"] is not None:
-        np.testing.assert_array_equal(np.asarray(fin)[1], np.asarray(inp["initial_state"])[1])
+        empty = docs.index(0)
+        np.testing.assert_array_equal(np.asarray(fin)[empty],
+                                      np.asarray(inp["initial_state"])[empty])
 
 
 _POISON_CHECK = textwrap.dedent("""
@@ -284,8 +347,9 @@ _POISON_CHECK = textwrap.dedent("""
     sys.path.insert(0, os.path.dirname({here!r}))
     from test_cuda_fwd import make_inputs, primitive_pairs, gdn_cuda, CONFIGS
     assert os.environ["JAX_CAKE_GDN_POISON"] == "1"
-    for name, H, HV, K, V, dtype, l2, h0 in CONFIGS:
-        inp = make_inputs(7, H=H, HV=HV, K=K, V=V, dtype=dtype, qk_l2norm=l2, initial_state=h0)
+    for name, H, HV, K, V, dtype, l2, h0, docs in CONFIGS:
+        inp = make_inputs(7, docs, H=H, HV=HV, K=K, V=V, dtype=dtype, qk_l2norm=l2,
+                          initial_state=h0)
         for key, (c, x) in primitive_pairs(inp, l2).items():
             assert np.isfinite(np.asarray(c, np.float32)).all(), (name, key)
         for mode in ("light", "full"):

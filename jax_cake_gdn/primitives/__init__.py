@@ -5,12 +5,14 @@ functions; `xla` implements all of them in jax.numpy, `cuda` replaces them with 
 they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels today).
 
 Forward: gate_cumsum, l2norm_rstd, solve_a (A), wy (w, u), state_walk (h, v_new, exit states),
-output (o, scores). Backward: walk_bwd (reverse state walk), chunk_bwd (all input gradients).
+output (o, scores); walk_output (state_walk then output in one: o and exit states, for the light
+forward, which keeps neither h nor v_new). Backward: walk_bwd (reverse state walk), chunk_bwd (all
+input gradients).
 Signatures: see primitives/xla.py.
 
-The cuda set's chunk_bwd is still the xla one, and it recomputes the intra-chunk scores instead
-of reading the saved ones: the saved scores come from tensor-core products the xla code does not
-reproduce bit for bit, and both save modes must give bitwise-equal gradients.
+The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
+ones (and needs neither w nor u): both save modes must give bitwise-equal gradients, and the
+light mode has no scores to read.
 """
 
 from __future__ import annotations
@@ -31,14 +33,16 @@ class Primitives(NamedTuple):
     output: Callable
     walk_bwd: Callable
     chunk_bwd: Callable
+    walk_output: Callable
 
 
 XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.solve_a, xla.wy, xla.state_walk,
-                 xla.output, xla.walk_bwd, xla.chunk_bwd)
+                 xla.output, xla.walk_bwd, xla.chunk_bwd, xla.walk_output)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
 CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "output",
-                "walk_bwd")
+                "walk_output",
+                "walk_bwd", "chunk_bwd")
 BACKENDS = ("xla", "cuda")
 
 
@@ -50,13 +54,20 @@ def _cuda_primitives() -> Primitives:
         return cuda.output(q, k, G, h, v_new, rstd_q, rstd_k, ct.start, ct.length, scale=scale,
                            out_dtype=out_dtype, with_scores=with_scores)
 
+    def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, ct, *, scale, out_dtype):
+        return cuda.walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, ct.start, ct.length,
+                                ct.seg_first, ct.seg_last, ct.seg_len, scale=scale,
+                                out_dtype=out_dtype)
+
     def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct, *, scale):
         return cuda.walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct.start, ct.length,
                              ct.seg_first, ct.seg_last, ct.seg_len, scale=scale)
 
-    def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, *rest, **kw):
-        del scores  # see the module docstring
-        return xla.chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, None, *rest, **kw)
+    def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do, rstd_q, rstd_k, ct, *,
+                  scale):
+        del w, u, scores  # w, u enter only via h, v_new; Att is recomputed (module docstring)
+        return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, ct.start,
+                              ct.length, scale=scale)
 
     return XLA._replace(
         name="cuda",
@@ -69,6 +80,7 @@ def _cuda_primitives() -> Primitives:
         state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(
             k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len),
         output=output,
+        walk_output=walk_output,
         walk_bwd=walk_bwd,
         chunk_bwd=chunk_bwd,
     )

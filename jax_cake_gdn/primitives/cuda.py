@@ -35,7 +35,9 @@ __all__ = [
     "wy",
     "state_walk",
     "output",
+    "walk_output",
     "walk_bwd",
+    "chunk_bwd",
     "SUPPORTED_DIMS",
     "supports",
 ]
@@ -383,8 +385,44 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     return o, (scores if with_scores else None)
 
 
+def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
+                seg_len, *, scale: float, out_dtype):
+    """state_walk then output in one kernel (the light forward): h and v_new never leave the chip.
+
+    q, k: bf16/f32 [T, H, K] (same dtype); w, u, G, h0, rstd_k and the tables as `state_walk`;
+    rstd_q f32[T, H] or None. Returns o [T, HV, V] in out_dtype (as `output`) and the exit state
+    of each segment f32[S, HV, K, V] (as `state_walk`).
+    """
+    fn = "walk_output"
+    q = _qkv(fn, "q", q)
+    k = _qkv(fn, "k", k)
+    T, H, K = q.shape
+    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
+    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
+    u = jnp.asarray(u)
+    _check(u.ndim == 3 and u.shape[0] == T, f"{fn}: u must be float32 [T, HV, V], got {u.shape}")
+    HV, V = u.shape[1], u.shape[2]
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    u = _f32(fn, "u", u, (T, HV, V))
+    w = _f32(fn, "w", w, (T, HV, K))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
+    S = sl.shape[0]
+    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
+    rq = _rstd(fn, "rstd_q", rstd_q, T, H)
+    rk = _rstd(fn, "rstd_k", rstd_k, T, H)
+    out_dtype = np.dtype(out_dtype)
+    _check(out_dtype in _QKV_DTYPES,
+           f"{fn}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    o, final = _call(fn, [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)],
+                     q, k, w, u, G, h0, rq, rk, cs, cl, sf, sla, sl, scale=np.float32(scale))
+    return o, final
+
+
 # ------------------------------------------------------------------------------------------------
-# Backward kernels (cuda/walk_bwd.cu). Interfaces follow primitives/xla.py's backward primitives.
+# Backward kernels (cuda/walk_bwd.cu, chunk_bwd.cu). Interfaces follow primitives/xla.py's backward primitives.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -427,3 +465,52 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
                         q, k, w, G, do, dfinal, sc, rq, rk, cs, cl, sf, sla, sl,
                         scale=np.float32(scale))
     return dS_end, dh0
+
+
+def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_start, chunk_len,
+              *, scale: float):
+    """Everything after the reverse walk, parallel over (chunk, value head) (xla.chunk_bwd with
+    the chunk table as arrays; w, u and the saved scores are not needed: Att is recomputed).
+
+    q, k: bf16/f32 [T, H, K]; v [T, HV, V] in q's dtype; do [T, HV, V] (cast to q's dtype: the
+    kernel rounds it to bf16 anyway); beta, G f32[T, HV]; A f32[NC, HV, 64, 64]; h, dS_end
+    f32[NC, HV, K, V]; v_new f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or None.
+    Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
+    The kernel gives per-value-head dq, dk w.r.t. the normalised q, k; the GVA group sum and the
+    L2-norm backward (cheap, elementwise) run here in jax.numpy.
+    """
+    from .xla import _group_sum, _l2norm_bwd
+
+    fn = "chunk_bwd"
+    q = _qkv(fn, "q", q)
+    k = _qkv(fn, "k", k)
+    T, H, K = q.shape
+    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
+    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
+    v = _qkv(fn, "v", v)
+    _check(v.shape[0] == T, f"{fn}: v must be [T, HV, V] with T = {T}, got {v.shape}")
+    _check(v.dtype == q.dtype, f"{fn}: v must have q's dtype {q.dtype}, got {v.dtype}")
+    HV, V = v.shape[1], v.shape[2]
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    do = _qkv(fn, "do", do)
+    _check(do.shape == v.shape, f"{fn}: do must have v's shape {v.shape}, got {do.shape}")
+    do = do.astype(q.dtype)
+    beta = _f32(fn, "beta", beta, (T, HV))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    NC = cs.shape[0]
+    A = _f32(fn, "A", A, (NC, HV, _CHUNK, _CHUNK))
+    h = _f32(fn, "h", h, (NC, HV, K, V))
+    v_new = _f32(fn, "v_new", v_new, (T, HV, V))
+    dS_end = _f32(fn, "dS_end", dS_end, (NC, HV, K, V))
+    rq = _rstd(fn, "rstd_q", rstd_q, T, H)
+    rk = _rstd(fn, "rstd_k", rstd_k, T, H)
+    f32 = jnp.float32
+    dQ, dK, dv, dg, dbeta = _call(
+        fn, [((T, HV, K), f32), ((T, HV, K), f32), ((T, HV, V), v.dtype), ((T, HV), f32),
+             ((T, HV), f32)],
+        q, k, v, beta, G, A, h, v_new, dS_end, do, rq, rk, cs, cl, scale=np.float32(scale))
+    dq = _l2norm_bwd(_group_sum(dQ, H), q, rstd_q).astype(q.dtype)
+    dk = _l2norm_bwd(_group_sum(dK, H), k, rstd_k).astype(k.dtype)
+    return dq, dk, dv, dg, dbeta

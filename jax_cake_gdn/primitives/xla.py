@@ -183,6 +183,16 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, ct: ChunkTable, *, scale: float, o
     return o, (att if with_scores else None)
 
 
+def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scale: float, out_dtype):
+    """state_walk then output, for the light forward (which keeps neither h nor v_new).
+
+    Returns o [T, HV, V] in out_dtype and the exit state of each segment [S, HV, K, V] f32.
+    """
+    h, v_new, final = state_walk(k, w, u, G, h0, rstd_k, ct)
+    o, _ = output(q, k, G, h, v_new, rstd_q, rstd_k, ct, scale=scale, out_dtype=out_dtype)
+    return o, final
+
+
 # ---------------------------------------------------------------- backward primitives
 
 

@@ -1,0 +1,138 @@
+// FFI handler of the chunk-parallel backward (kernel in chunk_bwd.cuh):
+//
+//   jax_cake_gdn_chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k,
+//                          chunk_start, chunk_len; scale)
+//       -> dQ f32[T, HV, K], dK f32[T, HV, K] (per value head, w.r.t. the normalised q / k: the
+//          caller does the GVA group sum and the L2-norm backward), dV [T, HV, V] in v's dtype,
+//          dg f32[T, HV], dbeta f32[T, HV]
+//
+// q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
+// A f32[NC, HV, 64, 64]; h, dS_end f32[NC, HV, K, V]; v_new f32[T, HV, V]; rstd_q, rstd_k
+// f32[T, H] or f32[0] (no L2 norm); chunk table int32 (chunks.py). K, V in {64, 128}. Every token
+// row is written by its chunk; unused chunks (length 0) write nothing.
+#include "chunk_bwd.cuh"
+#include "fwd_args.cuh"
+
+#define JCG_HANDLER_NAME "jax_cake_gdn_chunk_bwd"
+
+namespace jax_cake_gdn {
+namespace {
+
+ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
+                          ffi::Buffer<ffi::F32> A, ffi::Buffer<ffi::F32> h,
+                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> dS_end,
+                          ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> rstd_q,
+                          ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
+                          ffi::Buffer<ffi::S32> chunk_len, float scale,
+                          ffi::ResultBuffer<ffi::F32> dQ, ffi::ResultBuffer<ffi::F32> dK,
+                          ffi::Result<ffi::AnyBuffer> dV, ffi::ResultBuffer<ffi::F32> dg,
+                          ffi::ResultBuffer<ffi::F32> dbeta) {
+  JCG_CHECK_MSG(check_qk("q", q));
+  const auto qd = q.dimensions();
+  const int64_t T = qd[0], H = qd[1], K = qd[2];
+  JCG_CHECK_ARG(k.dimensions() == qd, "k must have q's shape " + dims_str(qd) + ", got " +
+                                          dims_str(k.dimensions()));
+  JCG_CHECK_ARG(k.element_type() == q.element_type(),
+                std::string("k must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
+                    dtype_name(k.element_type()));
+  const auto vd = v.dimensions();
+  JCG_CHECK_ARG(vd.size() == 3 && vd[0] == T, "v must be [T, HV, V], got shape " + dims_str(vd));
+  JCG_CHECK_ARG(v.element_type() == q.element_type(),
+                std::string("v must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
+                    dtype_name(v.element_type()));
+  const int64_t HV = vd[1], V = vd[2];
+  JCG_CHECK_MSG(check_heads(H, HV));
+  JCG_CHECK_MSG(check_v(V));
+  JCG_CHECK_ARG(dout.dimensions() == vd, "do must have v's shape " + dims_str(vd) + ", got " +
+                                             dims_str(dout.dimensions()));
+  JCG_CHECK_ARG(dout.element_type() == q.element_type(),
+                std::string("do must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
+                    dtype_name(dout.element_type()));
+  JCG_CHECK_MSG(check_th("beta", beta.dimensions(), T, HV));
+  JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
+  JCG_CHECK_ARG(dims_are(v_new.dimensions(), {T, HV, V}),
+                "v_new must be f32[T, HV, V], got shape " + dims_str(v_new.dimensions()));
+  bool has_rq = false, has_rk = false;
+  JCG_CHECK_MSG(check_rstd("rstd_q", rstd_q.dimensions(), T, H, has_rq));
+  JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rk));
+  JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
+  const int64_t NC = chunk_start.dimensions()[0];
+  JCG_CHECK_ARG(NC * HV < (int64_t{1} << 31), "NC * HV too large");
+  JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
+                "A must be f32[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
+  JCG_CHECK_ARG(dims_are(h.dimensions(), {NC, HV, K, V}),
+                "h must be f32[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
+  JCG_CHECK_ARG(dims_are(dS_end.dimensions(), {NC, HV, K, V}),
+                "dS_end must be f32[NC, HV, K, V], got shape " + dims_str(dS_end.dimensions()));
+  JCG_CHECK_ARG(dims_are(dQ->dimensions(), {T, HV, K}),
+                "dQ must be f32[T, HV, K], got shape " + dims_str(dQ->dimensions()));
+  JCG_CHECK_ARG(dims_are(dK->dimensions(), {T, HV, K}),
+                "dK must be f32[T, HV, K], got shape " + dims_str(dK->dimensions()));
+  JCG_CHECK_ARG(dims_are(dV->dimensions(), {T, HV, V}),
+                "dV must be [T, HV, V], got shape " + dims_str(dV->dimensions()));
+  JCG_CHECK_ARG(dV->element_type() == v.element_type(),
+                std::string("dV must have v's dtype ") + dtype_name(v.element_type()) + ", got " +
+                    dtype_name(dV->element_type()));
+  JCG_CHECK_MSG(check_th("dg", dg->dimensions(), T, HV));
+  JCG_CHECK_MSG(check_th("dbeta", dbeta->dimensions(), T, HV));
+
+  JCG_CHECK_CUDA(poison(stream, *dQ));
+  JCG_CHECK_CUDA(poison(stream, *dK));
+  JCG_CHECK_CUDA(poison(stream, dV->untyped_data(), dV->size_bytes()));
+  JCG_CHECK_CUDA(poison(stream, *dg));
+  JCG_CHECK_CUDA(poison(stream, *dbeta));
+  if (NC == 0 || HV == 0 || T == 0) return ffi::Error::Success();
+  cudaError_t err = cudaSuccess;
+  dispatch_float_type(q.element_type(), [&](auto tag) {
+    using In = typename decltype(tag)::type;
+    dispatch_head_dim(K, [&](auto kdim) {
+      constexpr int KD = decltype(kdim)::value;
+      dispatch_head_dim(V, [&](auto vdim) {
+        constexpr int VD = decltype(vdim)::value;
+        err = launch(chunk_bwd_kernel<In, KD, VD>, dim3(static_cast<unsigned>(NC * HV)),
+                     kCbThreads, ChunkBwdSmem<KD, VD>::bytes, stream,
+                     static_cast<const In*>(q.untyped_data()),
+                     static_cast<const In*>(k.untyped_data()),
+                     static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
+                     A.typed_data(), h.typed_data(), v_new.typed_data(), dS_end.typed_data(),
+                     static_cast<const In*>(dout.untyped_data()),
+                     has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
+                     has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                     chunk_start.typed_data(), chunk_len.typed_data(), dQ->typed_data(),
+                     dK->typed_data(), static_cast<In*>(dV->untyped_data()), dg->typed_data(),
+                     dbeta->typed_data(), T, static_cast<int>(H), static_cast<int>(HV), scale);
+      });
+    });
+  });
+  JCG_CHECK_CUDA(err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_cake_gdn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_chunk_bwd, jax_cake_gdn::chunk_bwd_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // q
+                                  .Arg<xla::ffi::AnyBuffer>()              // k
+                                  .Arg<xla::ffi::AnyBuffer>()              // v
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // A
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dS_end
+                                  .Arg<xla::ffi::AnyBuffer>()              // do
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
+                                  .Attr<float>("scale")
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dQ
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dK
+                                  .Ret<xla::ffi::AnyBuffer>()              // dV
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dg
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // dbeta
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,557 @@
+// The backward after the reverse walk (primitives/xla.py: chunk_bwd), parallel over chunks.
+//
+// One CTA of 8 warps per (chunk, value head), value heads of one chunk adjacent in the (1-D) grid
+// so GVA heads share q / k through L2; unused chunks (length 0) return at once. Per chunk, with
+// G the in-chunk cumsum (padding rows G = G_C), Gam_ij = exp(G_i - G_j) (i >= j only, never
+// e^{-G}), dec = e^{G_C - G}, Q / K normalised by rstd when given:
+//
+//   Att  = Gam o Q K^T (recomputed: light and full save modes give bitwise-equal gradients)
+//   datt = scale tril(dO vn^T)        da = datt o Att        dGam = datt o Gam
+//   dvn  = scale Att^T dO + diag(dec) K dS                   (du = dvn)
+//   dQ   = scale diag(e^G) dO h^T + dGam K                   (dQg = scale dO h^T)
+//   dKd  = vn dS^T                   dw = -dvn h^T
+//   dA   = diag-col(beta) (du V^T + diag-col(e^G) dw K^T)
+//   dbV  = A^T du  ->  dV = beta dbV          dbK = A^T dw
+//   dL   = -tril(A^T dA A^T, -1)     dLG = dL o Gam     N = dLG o (K K^T)
+//   dK   = diag(dec) dKd + dGam^T Q + diag(beta e^G) dbK + dKK K + dKK^T K      (dKK = diag(beta) dLG)
+//   dG   = rowsum(dQg o Q e^G) - rowsum(dKd o K dec) + rowsum(M) - colsum(M) + beta e^G rowsum(dbK o K)
+//          with M = da + diag(beta) N
+//   dbeta = rowsum(dbV o V) + e^G rowsum(dbK o K) + rowsum(N)
+//   dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h);   dg_t = dG_C + sum_{t <= i < len} dG_i
+//
+// Every product runs on mma.sync m16n8k16 (bf16 operands from shared memory, f32 accumulate):
+// one generic warp tile (16 x 32 of a 64 x N result, N in {64, K, V}; 8 warps cover 64 x 64 in
+// one tile each and 64 x 128 in two) over ldmatrix-fed operands in any of the four transposition
+// layouts. f32 intermediates (vn, h, dS, A, dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once,
+// when they become operands; a CPU emulation of exactly these roundings against the f32 xla
+// chunk_bwd gives 2-3e-3 relative RMS on every output (splitting the A-chain operands into bf16
+// hi + lo changed nothing that matters: the error comes from the K dS and vn dS^T products).
+// Per-row reductions (dG, dbeta, dG_C) go through per-tile partial arrays in shared memory and
+// are summed in a fixed order: the kernel is deterministic (no atomics).
+//
+// dK accumulates in registers across the stages (two 16 x 32 tiles per warp at K = 128); dQ, dV
+// are written as soon as they are final. Shared memory (K = V = 128: about 192 KB, 1 CTA / SM):
+// persistent Ks, dvn (bf16), M (f32 64 x 64), small arrays; a phase-A region (Q, dO, vn, h, dS,
+// Att, dGam) that phase B reuses for dw, A, V, dA, A^T dA, dKK.
+#pragma once
+
+#include "fwd_common.cuh"
+
+namespace jax_cake_gdn {
+
+constexpr int kCbThreads = 256;
+constexpr int kCbWarps = kCbThreads / 32;
+
+template <int K, int V>
+struct ChunkBwdSmem {
+  static constexpr int KP = K + 8;       // bf16 pitch of 64 x K tiles
+  static constexpr int VP = V + 8;       // bf16 pitch of 64 x V and K x V tiles
+  static constexpr int TP = kChunk + 8;  // bf16 pitch of 64 x 64 tiles
+  static constexpr int MP = kChunk;      // f32 pitch of M (reads are staggered)
+  static constexpr size_t kTK = size_t{kChunk} * KP * sizeof(bf16);
+  static constexpr size_t kTV = size_t{kChunk} * VP * sizeof(bf16);
+  static constexpr size_t kTS = size_t{K} * VP * sizeof(bf16);
+  static constexpr size_t kTT = size_t{kChunk} * TP * sizeof(bf16);
+  // persistent
+  static constexpr size_t oKs = 0;
+  static constexpr size_t oDu = oKs + kTK;
+  static constexpr size_t oM = oDu + kTV;
+  static constexpr size_t oSmall = oM + size_t{kChunk} * MP * sizeof(float);
+  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red
+  static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32;
+  // phase A
+  static constexpr size_t oQ = oSmall + nSmall * sizeof(float);
+  static constexpr size_t oDO = oQ + kTK;
+  static constexpr size_t oVN = oDO + kTV;
+  static constexpr size_t oH = oVN + kTV;
+  static constexpr size_t oDS = oH + kTS;
+  static constexpr size_t oAtt = oDS + kTS;
+  static constexpr size_t oDG = oAtt + kTT;
+  static constexpr size_t bytes = oDG + kTT;
+  // phase B aliases
+  static constexpr size_t oDw = oDS;   // 64 x K
+  static constexpr size_t oA = oQ;     // 64 x 64
+  static constexpr size_t oV = oDO;    // 64 x V
+  static constexpr size_t oDA = oAtt;  // 64 x 64, later dKK
+  static constexpr size_t oX = oDG;    // 64 x 64
+  static_assert(size_t{kChunk} * KP <= size_t{K} * VP, "dw does not fit dS's slot");
+  static_assert(kTT <= kTK, "A does not fit Q's slot");
+  static_assert(oQ % 16 == 0, "misaligned tiles");
+  static_assert(bytes <= 227 * 1024, "chunk_bwd: shared memory over the sm_90 limit");
+};
+
+// acc (16 x 32 tile at rows m0, columns n0 of a 64 x N result) += op(A) op(B), reduction length
+// KD. AT = false: A row-major [M][KD] (pitch lda); AT = true: A stored as [KD][M] (A = M^T).
+// BT = false: B stored row-major [KD][N]; BT = true: B stored as [N][KD] (B = M^T).
+template <int KD, bool AT, bool BT>
+__device__ __forceinline__ void cb_tile(float (&acc)[4][4], const bf16* a, int lda, const bf16* b,
+                                        int ldb, int m0, int n0) {
+  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < KD / 16; ++ks) {
+    uint32_t af[4];
+    if constexpr (AT) {
+      lda_tr(af, a + (16 * ks) * lda + m0, lda);
+    } else {
+      lda_rm(af, a + m0 * lda + 16 * ks, lda);
+    }
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t bf[4];
+      if constexpr (BT) {
+        ldsm_x4(bf, b + (n0 + 16 * np + r + (i >> 1) * 8) * ldb + 16 * ks + (i & 1) * 8);
+      } else {
+        ldsm_x4_t(bf, b + (16 * ks + r + (i & 1) * 8) * ldb + n0 + 16 * np + (i >> 1) * 8);
+      }
+      mma_bf16(acc[2 * np], af, bf[0], bf[1]);
+      mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// Tile i of this warp in a 64 x N result: rows m0.., columns n0.. (N / 64 tiles per warp).
+__device__ __forceinline__ void cb_tile_pos(int i, int& m0, int& n0) {
+  const int t = (threadIdx.x >> 5) + kCbWarps * i;
+  m0 = 16 * (t & 3);
+  n0 = 32 * (t >> 2);
+}
+
+// Element (nt, e) of a tile: row m0 + g + 8 (e / 2), column n0 + 8 nt + 2 q + (e % 2).
+__device__ __forceinline__ int cb_row(int m0, int e) {
+  return m0 + ((threadIdx.x & 31) >> 2) + 8 * (e >> 1);
+}
+__device__ __forceinline__ int cb_col(int n0, int nt, int e) {
+  return n0 + 8 * nt + 2 * (threadIdx.x & 3) + (e & 1);
+}
+
+// Row sums s0 (row m0 + g), s1 (row m0 + g + 8) of a tile, reduced over the quad; lane q == 0
+// stores them to part[row * np + n0 / 32].
+__device__ __forceinline__ void cb_row_partial(float s0, float s1, float* part, int np, int m0,
+                                               int n0) {
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  if ((threadIdx.x & 3) == 0) {
+    const int g = (threadIdx.x & 31) >> 2;
+    part[(m0 + g) * np + n0 / 32] = s0;
+    part[(m0 + g + 8) * np + n0 / 32] = s1;
+  }
+}
+
+// Two bf16 values into a shared tile (pitch ld).
+__device__ __forceinline__ void cb_st2(bf16* p, float a, float b) {
+  *reinterpret_cast<uint32_t*>(p) = pack_bf16(a, b);
+}
+
+__device__ __forceinline__ float cb_bf(const bf16* p) { return __bfloat162float(*p); }
+
+template <typename In, int K, int V>
+__global__ void __launch_bounds__(kCbThreads, 1)
+    chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,
+                     const float* __restrict__ beta, const float* __restrict__ G,
+                     const float* __restrict__ A, const float* __restrict__ h,
+                     const float* __restrict__ v_new, const float* __restrict__ dS_end,
+                     const In* __restrict__ dout, const float* __restrict__ rstd_q,  // nullable
+                     const float* __restrict__ rstd_k,                              // nullable
+                     const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
+                     float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
+                     float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
+                     int HV, float scale) {
+  using Sm = ChunkBwdSmem<K, V>;
+  constexpr int KP = Sm::KP, VP = Sm::VP, TP = Sm::TP, MP = Sm::MP;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::oKs);
+  bf16* Du = reinterpret_cast<bf16*>(smem + Sm::oDu);
+  float* sM = reinterpret_cast<float*>(smem + Sm::oM);
+  float* sG = reinterpret_cast<float*>(smem + Sm::oSmall);
+  float* sB = sG + kChunk;
+  float* pa = sB + kChunk;       // [64][4] rowsum(dQg o Q e^G)
+  float* pb = pa + 4 * kChunk;   // [64][4] rowsum(dKd o K dec)
+  float* pc = pb + 4 * kChunk;   // [64][4] rowsum(dbV o V)
+  float* pd = pc + 4 * kChunk;   // [64][4] rowsum(dbK o K)
+  float* pe = pd + 4 * kChunk;   // [64][2] rowsum(N)
+  float* sdG = pe + 2 * kChunk;  // [64]
+  float* sRed = sdG + kChunk;    // [32]
+  bf16* Qs = reinterpret_cast<bf16*>(smem + Sm::oQ);
+  bf16* DOs = reinterpret_cast<bf16*>(smem + Sm::oDO);
+  bf16* VNs = reinterpret_cast<bf16*>(smem + Sm::oVN);
+  bf16* Hs = reinterpret_cast<bf16*>(smem + Sm::oH);
+  bf16* DSs = reinterpret_cast<bf16*>(smem + Sm::oDS);
+  bf16* Att = reinterpret_cast<bf16*>(smem + Sm::oAtt);
+  bf16* DGm = reinterpret_cast<bf16*>(smem + Sm::oDG);
+  bf16* Dw = reinterpret_cast<bf16*>(smem + Sm::oDw);
+  bf16* As = reinterpret_cast<bf16*>(smem + Sm::oA);
+  bf16* Vs = reinterpret_cast<bf16*>(smem + Sm::oV);
+  bf16* DA = reinterpret_cast<bf16*>(smem + Sm::oDA);
+  bf16* DKK = reinterpret_cast<bf16*>(smem + Sm::oDA);
+  bf16* Xs = reinterpret_cast<bf16*>(smem + Sm::oX);
+
+  const int hv = blockIdx.x % HV, c = blockIdx.x / HV;
+  const int hk = hv / (HV / H);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+  const int len = cs.len;
+  if (len == 0) return;  // unused chunk: no token rows
+
+  const int64_t qk_off = cs.start * H * K + hk * K;
+  const int64_t v_off = (cs.start * HV + hv) * V;
+  const int64_t s_off = (static_cast<int64_t>(c) * HV + hv) * K * V;
+
+  // ---- stage 0: operands into shared memory (bf16), G, beta, and e^{G_C} sum(dS o h) in f32
+  load_tile_bf16<kChunk, K, 8, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
+                                           ScaleRstd{rstd_q, cs.start, H, hk});
+  load_tile_bf16<kChunk, K, 8, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
+                                           ScaleRstd{rstd_k, cs.start, H, hk});
+  load_tile_bf16<kChunk, V, 8, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len,
+                                           ScaleOne{});
+  load_tile_bf16<kChunk, V, 8, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len,
+                                           ScaleOne{});
+  if (tid < kChunk) {
+    sG[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];  // padding rows: G = G_C (as xla)
+    sB[tid] = tid < len ? beta[(cs.start + tid) * HV + hv] : 0.f;
+  }
+  float hds = 0.f;  // sum(dS o h), this thread's share
+  {
+    constexpr int kV8 = V / 8, kPer = K * kV8 / kCbThreads, kNB = kPer < 4 ? kPer : 4;
+    static_assert(kPer % kNB == 0, "state tile does not split evenly");
+    const float* hp = h + s_off;
+    const float* sp = dS_end + s_off;
+#pragma unroll 1
+    for (int b0 = 0; b0 < kPer; b0 += kNB) {
+      float fh[kNB][8], fs[kNB][8];
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) {
+        const int idx = tid + (b0 + j) * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
+        load8(hp + r * V + c8, fh[j]);
+        load8(sp + r * V + c8, fs[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) {
+        const int idx = tid + (b0 + j) * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) hds = fmaf(fh[j][e], fs[j][e], hds);
+        sts8_bf16(Hs + r * VP + c8, fh[j], 1.f);
+        sts8_bf16(DSs + r * VP + c8, fs[j], 1.f);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);
+    if (lane == 0) sRed[warp] = hds;
+  }
+  __syncthreads();
+
+  const float GC = sG[len - 1];
+
+  // ---- stage 1: Att (bf16, for Att^T dO), datt -> M = datt o Att (f32), dGam (bf16)
+  {
+    int m0, n0;
+    cb_tile_pos(0, m0, n0);
+    float att[4][4], dd[4][4];
+    zero_acc(att);
+    zero_acc(dd);
+    cb_tile<K, false, true>(att, Qs, KP, Ks, KP, m0, n0);
+    cb_tile<V, false, true>(dd, DOs, VP, VNs, VP, m0, n0);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
+        const float gam = j <= i ? __expf(sG[i] - sG[j]) : 0.f;
+        const float a = gam * att[nt][e];
+        const float datt = j <= i ? scale * dd[nt][e] : 0.f;
+        att[nt][e] = a;
+        dd[nt][e] = datt * gam;
+        sM[i * MP + j] = datt * a;
+      }
+      const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
+      cb_st2(Att + i0 * TP + j, att[nt][0], att[nt][1]);
+      cb_st2(Att + i1 * TP + j, att[nt][2], att[nt][3]);
+      cb_st2(DGm + i0 * TP + j, dd[nt][0], dd[nt][1]);
+      cb_st2(DGm + i1 * TP + j, dd[nt][2], dd[nt][3]);
+    }
+  }
+  __syncthreads();
+
+  // ---- stage 2: dvn = scale Att^T dO + diag(dec) K dS -> Du (bf16)
+#pragma unroll
+  for (int it = 0; it < V / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    float a1[4][4], a2[4][4];
+    zero_acc(a1);
+    zero_acc(a2);
+    cb_tile<K, false, false>(a1, Ks, KP, DSs, VP, m0, n0);
+    cb_tile<kChunk, true, false>(a2, Att, TP, DOs, VP, m0, n0);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
+        const float dec = __expf(GC - sG[i]);
+        cb_st2(Du + i * VP + j, dec * a1[nt][2 * hf] + scale * a2[nt][2 * hf],
+               dec * a1[nt][2 * hf + 1] + scale * a2[nt][2 * hf + 1]);
+      }
+    }
+  }
+
+  // ---- stage 3: dQ = diag(e^G) dQg + dGam K, dQg = scale dO h^T  (written to global)
+#pragma unroll
+  for (int it = 0; it < K / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    float acc[4][4];
+    zero_acc(acc);
+    cb_tile<V, false, true>(acc, DOs, VP, Hs, VP, m0, n0);
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
+        const float eg = __expf(sG[i]);
+        const float dqg = scale * acc[nt][e];
+        s[e >> 1] += dqg * cb_bf(Qs + i * KP + j) * eg;
+        acc[nt][e] = dqg * eg;
+      }
+    }
+    cb_row_partial(s[0], s[1], pa, 4, m0, n0);
+    cb_tile<kChunk, false, false>(acc, DGm, TP, Ks, KP, m0, n0);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = cb_row(m0, 2 * hf);
+      if (i < len) {
+        float* op = dQ + ((cs.start + i) * HV + hv) * K;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          store2(op + cb_col(n0, nt, 0), acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+      }
+    }
+  }
+
+  // ---- stage 4: dK (registers) = diag(dec) vn dS^T + dGam^T Q
+  float dk[K / 64][4][4];
+#pragma unroll
+  for (int it = 0; it < K / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    zero_acc(dk[it]);
+    cb_tile<V, false, true>(dk[it], VNs, VP, DSs, VP, m0, n0);
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
+        const float dec = __expf(GC - sG[i]);
+        s[e >> 1] += dk[it][nt][e] * cb_bf(Ks + i * KP + j) * dec;
+        dk[it][nt][e] *= dec;
+      }
+    }
+    cb_row_partial(s[0], s[1], pb, 4, m0, n0);
+    cb_tile<kChunk, true, false>(dk[it], DGm, TP, Qs, KP, m0, n0);
+  }
+  __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
+
+  // ---- stage 5: A, V into freed slots; dw = -dvn h^T -> Dw (bf16, dS's slot)
+  load_tile_bf16<kChunk, kChunk, 8, kCbThreads>(
+      As, TP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk,
+      ScaleOne{});
+  load_tile_bf16<kChunk, V, 8, kCbThreads>(Vs, VP, v + v_off, int64_t{HV} * V, len, ScaleOne{});
+#pragma unroll
+  for (int it = 0; it < K / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    float acc[4][4];
+    zero_acc(acc);
+    cb_tile<V, false, true>(acc, Du, VP, Hs, VP, m0, n0);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
+        cb_st2(Dw + i * KP + j, -acc[nt][2 * hf], -acc[nt][2 * hf + 1]);
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- stage 6: dA = diag-col(beta) (du V^T + diag-col(e^G) dw K^T) -> DA (bf16);
+  //               dV = diag(beta) A^T du (global); dbK = A^T dw -> dK
+  {
+    int m0, n0;
+    cb_tile_pos(0, m0, n0);
+    float a1[4][4], a2[4][4];
+    zero_acc(a1);
+    zero_acc(a2);
+    cb_tile<V, false, true>(a1, Du, VP, Vs, VP, m0, n0);
+    cb_tile<K, false, true>(a2, Dw, KP, Ks, KP, m0, n0);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = cb_col(n0, nt, e);
+        x[e] = sB[j] * (a1[nt][e] + __expf(sG[j]) * a2[nt][e]);
+      }
+      const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
+      cb_st2(DA + i0 * TP + j, x[0], x[1]);
+      cb_st2(DA + i1 * TP + j, x[2], x[3]);
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < V / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    float acc[4][4];
+    zero_acc(acc);
+    cb_tile<kChunk, true, false>(acc, As, TP, Du, VP, m0, n0);
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        s[e >> 1] += acc[nt][e] * cb_bf(Vs + cb_row(m0, e) * VP + cb_col(n0, nt, e));
+    cb_row_partial(s[0], s[1], pc, 4, m0, n0);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = cb_row(m0, 2 * hf);
+      if (i < len) {
+        In* op = dV + ((cs.start + i) * HV + hv) * V;
+        const float b = sB[i];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          store2(op + cb_col(n0, nt, 0), b * acc[nt][2 * hf], b * acc[nt][2 * hf + 1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < K / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    float acc[4][4];
+    zero_acc(acc);
+    cb_tile<kChunk, true, false>(acc, As, TP, Dw, KP, m0, n0);
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
+        s[e >> 1] += acc[nt][e] * cb_bf(Ks + i * KP + j);
+        dk[it][nt][e] += sB[i] * __expf(sG[i]) * acc[nt][e];
+      }
+    }
+    cb_row_partial(s[0], s[1], pd, 4, m0, n0);
+  }
+  __syncthreads();  // DA complete
+
+  // ---- stage 7: X = A^T dA (bf16)
+  {
+    int m0, n0;
+    cb_tile_pos(0, m0, n0);
+    float acc[4][4];
+    zero_acc(acc);
+    cb_tile<kChunk, true, false>(acc, As, TP, DA, TP, m0, n0);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
+      cb_st2(Xs + i0 * TP + j, acc[nt][0], acc[nt][1]);
+      cb_st2(Xs + i1 * TP + j, acc[nt][2], acc[nt][3]);
+    }
+  }
+  __syncthreads();  // X complete; DA dead
+
+  // ---- stage 8: dL = -tril(X A^T, -1), dLG = dL o Gam, N = dLG o K K^T:
+  //               M += diag(beta) N (same thread, same elements as stage 1), rowsum(N), dKK
+  {
+    int m0, n0;
+    cb_tile_pos(0, m0, n0);
+    float acc[4][4], kk[4][4];
+    zero_acc(acc);
+    zero_acc(kk);
+    cb_tile<kChunk, false, true>(acc, Xs, TP, As, TP, m0, n0);
+    cb_tile<K, false, true>(kk, Ks, KP, Ks, KP, m0, n0);
+    float s[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
+        const float dlg = j < i ? -__expf(sG[i] - sG[j]) * acc[nt][e] : 0.f;
+        const float n = dlg * kk[nt][e];
+        s[e >> 1] += n;
+        sM[i * MP + j] += sB[i] * n;
+        acc[nt][e] = sB[i] * dlg;
+      }
+      const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
+      cb_st2(DKK + i0 * TP + j, acc[nt][0], acc[nt][1]);
+      cb_st2(DKK + i1 * TP + j, acc[nt][2], acc[nt][3]);
+    }
+    cb_row_partial(s[0], s[1], pe, 2, m0, n0);
+  }
+  __syncthreads();  // dKK, M, partial sums complete
+
+  // ---- stage 9: dK += dKK K + dKK^T K (global); per-row reductions
+#pragma unroll
+  for (int it = 0; it < K / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    cb_tile<kChunk, false, false>(dk[it], DKK, TP, Ks, KP, m0, n0);
+    cb_tile<kChunk, true, false>(dk[it], DKK, TP, Ks, KP, m0, n0);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = cb_row(m0, 2 * hf);
+      if (i < len) {
+        float* op = dK + ((cs.start + i) * HV + hv) * K;
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          store2(op + cb_col(n0, nt, 0), dk[it][nt][2 * hf], dk[it][nt][2 * hf + 1]);
+      }
+    }
+  }
+  if (tid < kChunk) {
+    const int i = tid;
+    float rs = 0.f, cs_ = 0.f;
+#pragma unroll 8
+    for (int jj = 0; jj < kChunk; ++jj) {
+      rs += sM[i * MP + ((jj + i) & (kChunk - 1))];  // staggered: no bank conflicts
+      cs_ += sM[jj * MP + i];
+    }
+    float a = 0.f, b = 0.f, cc = 0.f, d = 0.f;
+#pragma unroll
+    for (int p = 0; p < K / 32; ++p) {
+      a += pa[i * 4 + p];
+      b += pb[i * 4 + p];
+      d += pd[i * 4 + p];
+    }
+#pragma unroll
+    for (int p = 0; p < V / 32; ++p) cc += pc[i * 4 + p];
+    const float e = pe[i * 2] + pe[i * 2 + 1];
+    const float eg = __expf(sG[i]);
+    sdG[i] = i < len ? a - b + rs - cs_ + sB[i] * eg * d : 0.f;
+    if (i < len) dbeta[(cs.start + i) * HV + hv] = cc + eg * d + e;
+  } else if (tid == kChunk) {
+    // dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h), in a fixed order
+    float b = 0.f;
+    for (int i = 0; i < kChunk; ++i)
+      for (int p = 0; p < K / 32; ++p) b += pb[i * 4 + p];
+    float hs = 0.f;
+    for (int w = 0; w < kCbWarps; ++w) hs += sRed[w];
+    sRed[kCbWarps] = b + __expf(GC) * hs;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    // dg_t = dG_C + sum_{t <= i < len} dG_i (reverse in-chunk cumsum; G_C's share enters at the
+    // last row and reaches every row)
+    float run = sRed[kCbWarps];
+    for (int i = len - 1; i >= 0; --i) {
+      run += sdG[i];
+      sdG[i] = run;
+    }
+  }
+  __syncthreads();
+  if (tid < len) dg[(cs.start + tid) * HV + hv] = sdG[tid];
+}
+
+}  // namespace jax_cake_gdn
