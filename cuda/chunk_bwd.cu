@@ -8,7 +8,7 @@
 //
 // q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
 // A f32[NC, HV, 64, 64]; h, dS_end f32[NC, HV, K, V]; v_new f32[T, HV, V]; rstd_q, rstd_k
-// f32[T, H] or f32[0] (no L2 norm); chunk table int32 (chunks.py). K, V in {64, 128}. Every token
+// f32[T, H] or f32[1] (no L2 norm); chunk table int32 (chunks.py). K, V in {64, 128}. Every token
 // row is written by its chunk; unused chunks (length 0) write nothing.
 #include "chunk_bwd.cuh"
 #include "fwd_args.cuh"

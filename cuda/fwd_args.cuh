@@ -37,13 +37,17 @@ inline std::string check_th(const char* name, ffi::Span<const int64_t> d, int64_
   return {};
 }
 
-// Optional rstd: f32[T, H], or f32[0] for "no L2 norm". Sets `present`.
+// An absent optional buffer (no L2 norm, no saved scores) is passed as f32[1]. Not f32[0]: a
+// zero-size operand crashes XLA's SPMD partitioner (shardy) in jax 0.11.2 under shard_map.
+inline bool is_absent(ffi::Span<const int64_t> d) { return d.size() == 1 && d[0] == 1; }
+
+// Optional rstd: f32[T, H], or f32[1] for "no L2 norm". Sets `present`.
 inline std::string check_rstd(const char* name, ffi::Span<const int64_t> d, int64_t T, int64_t H,
                               bool& present) {
-  present = !(d.size() == 1 && d[0] == 0);
+  present = !is_absent(d);
   if (present && !dims_are(d, {T, H}))
     return std::string(name) + " must be f32[" + std::to_string(T) + ", " + std::to_string(H) +
-           "] or f32[0] (no L2 norm), got shape " + dims_str(d);
+           "] or f32[1] (no L2 norm), got shape " + dims_str(d);
   return {};
 }
 

@@ -2,10 +2,10 @@
 //
 //   jax_cake_gdn_output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len; scale)
 //       -> o [T, HV, V] (bf16 or f32, the result type chooses), scores f32[NC, HV, 64, 64] or
-//          f32[0] (not wanted)
+//          f32[1] (not wanted)
 //
 // q, k: bf16 or f32 [T, H, K] (same dtype); G f32[T, HV]; h f32[NC, HV, K, V]; v_new
-// f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or f32[0]. K, V in {64, 128}.
+// f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or f32[1]. K, V in {64, 128}.
 #include "fwd_args.cuh"
 #include "output.cuh"
 
@@ -48,9 +48,9 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   const ffi::DataType odt = o->element_type();
   JCG_CHECK_ARG(odt == ffi::DataType::BF16 || odt == ffi::DataType::F32,
                 std::string("o must be bfloat16 or float32, got ") + dtype_name(odt));
-  const bool want_scores = !(scores->dimensions().size() == 1 && scores->dimensions()[0] == 0);
+  const bool want_scores = !is_absent(scores->dimensions());
   JCG_CHECK_ARG(!want_scores || dims_are(scores->dimensions(), {NC, HV, kChunk, kChunk}),
-                "scores must be f32[NC, HV, 64, 64] or f32[0], got shape " +
+                "scores must be f32[NC, HV, 64, 64] or f32[1] (not wanted), got shape " +
                     dims_str(scores->dimensions()));
 
   JCG_CHECK_CUDA(poison(stream, o->untyped_data(), o->size_bytes()));

@@ -5,7 +5,7 @@
 //                                                                        u f32[T, HV, V]
 //
 // k, v: bf16 or f32 [T, H, K] / [T, HV, V] (same dtype); beta, G: f32[T, HV]; rstd_k: f32[T, H]
-// or f32[0] (no L2 norm); chunk_start / chunk_len: int32[NC] (chunks.py). K, V in {64, 128}.
+// or f32[1] (no L2 norm); chunk_start / chunk_len: int32[NC] (chunks.py). K, V in {64, 128}.
 #include "fwd_args.cuh"
 #include "prep.cuh"
 

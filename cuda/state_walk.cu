@@ -5,14 +5,14 @@
 //                                       final f32[S, HV, K, V]
 //
 // k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; u f32[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
-// rstd_k f32[T, H] or f32[0]; chunk table int32 (chunks.py). K, V in {64, 128}.
+// rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K, V in {64, 128}.
 //
 //   jax_cake_gdn_walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
 //                            seg_last, seg_len; scale) -> o [T, HV, V] (bf16 or f32, the result
 //                                                        type chooses), final f32[S, HV, K, V]
 //
 // The light forward's walk: o = output(state_walk(...)) with h and v_new kept on chip. q, k: same
-// shape and dtype; rstd_q f32[T, H] or f32[0]; the rest as state_walk.
+// shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk.
 #include "fwd_args.cuh"
 #include "state_walk.cuh"
 

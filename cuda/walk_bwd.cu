@@ -5,8 +5,8 @@
 //       -> dS_end f32[NC, HV, K, V], dh0 f32[S, HV, K, V]
 //
 // q, k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
-// dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64] (the saved Att) or f32[0] (recompute);
-// rstd_q, rstd_k f32[T, H] or f32[0]; chunk table int32 (chunks.py). K in {64, 128}, V in
+// dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64] (the saved Att) or f32[1] (recompute);
+// rstd_q, rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K in {64, 128}, V in
 // {64, 128}.
 #include "fwd_args.cuh"
 #include "walk_bwd.cuh"
@@ -53,9 +53,9 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   JCG_CHECK_ARG(dims_are(dfinal.dimensions(), {S, HV, K, V}),
                 "dfinal must be f32[S, HV, K, V], got shape " + dims_str(dfinal.dimensions()));
   const auto scd = scores.dimensions();
-  const bool has_scores = !(scd.size() == 1 && scd[0] == 0);
+  const bool has_scores = !is_absent(scd);
   JCG_CHECK_ARG(!has_scores || dims_are(scd, {NC, HV, kChunk, kChunk}),
-                "scores must be f32[NC, HV, 64, 64] or f32[0] (recompute), got shape " +
+                "scores must be f32[NC, HV, 64, 64] or f32[1] (recompute), got shape " +
                     dims_str(scd));
   JCG_CHECK_ARG(dims_are(dS_end->dimensions(), {NC, HV, K, V}),
                 "dS_end must be f32[NC, HV, K, V], got shape " + dims_str(dS_end->dimensions()));

@@ -214,7 +214,9 @@ def gate_cumsum(g, chunk_start, chunk_len):
 SUPPORTED_DIMS = (64, 128)  # head dims K and V the forward kernels are instantiated for
 _CHUNK = 64
 _QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
-_NO_RSTD = np.zeros((0,), np.float32)  # "no L2 norm" (a zero-size operand)
+# An absent optional operand or result (no L2 norm, no saved scores): f32[1]. Not f32[0]: a
+# zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under shard_map (jax 0.11.2).
+_ABSENT = np.zeros((1,), np.float32)
 
 
 def supports(K: int, V: int) -> bool:
@@ -258,7 +260,7 @@ def _i32(fn: str, name: str, x, n: int | None = None):
 
 def _rstd(fn: str, name: str, r, T: int, H: int):
     if r is None:
-        return jnp.asarray(_NO_RSTD)
+        return jnp.asarray(_ABSENT)
     return _f32(fn, name, r, (T, H))
 
 
@@ -379,7 +381,7 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     out_dtype = np.dtype(out_dtype)
     _check(out_dtype in _QKV_DTYPES,
            f"{fn}: out_dtype must be bfloat16 or float32, got {out_dtype}")
-    s_shape = (NC, HV, _CHUNK, _CHUNK) if with_scores else (0,)
+    s_shape = (NC, HV, _CHUNK, _CHUNK) if with_scores else _ABSENT.shape
     o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.float32)],
                       q, k, G, h, v_new, rq, rk, cs, cl, scale=np.float32(scale))
     return o, (scores if with_scores else None)
@@ -456,7 +458,7 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     S = sl.shape[0]
     dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
     if scores is None:
-        sc = jnp.asarray(_NO_RSTD)
+        sc = jnp.asarray(_ABSENT)
     else:
         sc = _f32(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
