@@ -17,28 +17,37 @@ namespace jax_cake_gdn {
 
 constexpr int kOutThreads = 128;
 
-// Att rows 16w..16w+15 of this warp w, all 64 columns: tril_incl(Gam o Q K^T), unscaled.
-// qa: the warp's Q row fragments (bf16 Q tile, rows 16w.., normalised by rstd_q); Ks: the bf16 K
-// tile (normalised by rstd_k, zero rows beyond the chunk), pitch ld; sg: G of the chunk's 64 rows
-// (rows beyond the chunk repeat its last G). Shared by the output kernel and the fused walk
-// (state_walk.cuh, kOutput), so both build bit-identical scores.
-template <int KS>
-__device__ __forceinline__ void chunk_scores(float (&att)[8][4], const uint32_t (&qa)[KS][4],
-                                             const bf16* Ks, int ld, const float* sg) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, qd = lane & 3;
+// Att rows 16rw..16rw+15, columns j0..j0+8NT-1: tril_incl(Gam o Q K^T), unscaled.
+// qa: Q row fragments of rows 16rw.. (bf16 Q tile, normalised by rstd_q); Ks: the bf16 K tile
+// (normalised by rstd_k, zero rows beyond the chunk), pitch ld; sg: G of the chunk's 64 rows
+// (rows beyond the chunk repeat its last G). Each element's mma sequence (over k) and mask do not
+// depend on the column split, so every split builds bit-identical scores. Shared by the output
+// kernel (chunk_scores below) and the fused walk (state_walk.cuh, kOutput).
+template <int KS, int NT>
+__device__ __forceinline__ void chunk_scores_part(float (&att)[NT][4],
+                                                  const uint32_t (&qa)[KS][4], const bf16* Ks,
+                                                  int ld, const float* sg, int rw, int j0) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, qd = lane & 3;
   zero_acc(att);
-  mma_rt<KS, 8>(att, qa, Ks, ld);
-  const int i0 = 16 * warp + g, i1 = i0 + 8;
+  mma_rt<KS, NT>(att, qa, Ks + j0 * ld, ld);
+  const int i0 = 16 * rw + g, i1 = i0 + 8;
   const float gi0 = sg[i0], gi1 = sg[i1];
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int i = (e >> 1) ? i1 : i0, j = 8 * nt + 2 * qd + (e & 1);
+      const int i = (e >> 1) ? i1 : i0, j = j0 + 8 * nt + 2 * qd + (e & 1);
       const float gi = (e >> 1) ? gi1 : gi0;
       att[nt][e] = j <= i ? __expf(gi - sg[j]) * att[nt][e] : 0.f;
     }
   }
+}
+
+// Att rows 16w..16w+15 of this warp w, all 64 columns.
+template <int KS>
+__device__ __forceinline__ void chunk_scores(float (&att)[8][4], const uint32_t (&qa)[KS][4],
+                                             const bf16* Ks, int ld, const float* sg) {
+  chunk_scores_part<KS, 8>(att, qa, Ks, ld, sg, threadIdx.x >> 5, 0);
 }
 
 template <int K>

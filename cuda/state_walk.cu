@@ -12,7 +12,9 @@
 //                                                        type chooses), final f32[S, HV, K, V]
 //
 // The light forward's walk: o = output(state_walk(...)) with h and v_new kept on chip. q, k: same
-// shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk.
+// shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch: one CTA of V / 16
+// warps per (segment, value head), grid S x HV (segment-major, in the table's segment order); the
+// state walk runs 4-warp CTAs per (segment, value head, 64-column V tile).
 #include "fwd_args.cuh"
 #include "state_walk.cuh"
 
@@ -143,7 +145,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
                                seg_len.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
-  JCG_CHECK_ARG(S * HV * (V / kWalkVT) < (int64_t{1} << 31), "S * HV too large");
+  JCG_CHECK_ARG(S * HV < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
                 "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions()));
   JCG_CHECK_ARG(dims_are(o->dimensions(), {T, HV, V}),
@@ -163,19 +165,22 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
       using Out = typename decltype(otag)::type;
       dispatch_head_dim(K, [&](auto kdim) {
         constexpr int KD = decltype(kdim)::value;
-        const dim3 grid(static_cast<unsigned>(S * HV * (V / kWalkVT)));
-        err = launch(state_walk_kernel<In, KD, true, Out>, grid, kWalkThreads,
-                     WalkSmem<In, KD, true>::bytes, stream,
-                     static_cast<const In*>(k.untyped_data()), w.typed_data(), u.typed_data(),
-                     G.typed_data(), h0.typed_data(),
-                     has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                     chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                     seg_last.typed_data(), seg_len.typed_data(), static_cast<float*>(nullptr),
-                     static_cast<float*>(nullptr), final_state->typed_data(), T,
-                     static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
-                     static_cast<int>(NC), static_cast<const In*>(q.untyped_data()),
-                     has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
-                     static_cast<Out*>(o->untyped_data()), scale);
+        dispatch_head_dim(V, [&](auto vdim) {  // one CTA covers all V columns
+          constexpr int VT = decltype(vdim)::value;
+          const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
+          err = launch(state_walk_kernel<In, KD, true, Out, VT>, grid, walk_threads<VT>(),
+                       WalkSmem<In, KD, true, VT>::bytes, stream,
+                       static_cast<const In*>(k.untyped_data()), w.typed_data(), u.typed_data(),
+                       G.typed_data(), h0.typed_data(),
+                       has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                       chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
+                       seg_last.typed_data(), seg_len.typed_data(), static_cast<float*>(nullptr),
+                       static_cast<float*>(nullptr), final_state->typed_data(), T,
+                       static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
+                       static_cast<int>(NC), static_cast<const In*>(q.untyped_data()),
+                       has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
+                       static_cast<Out*>(o->untyped_data()), scale);
+        });
       });
     });
   });

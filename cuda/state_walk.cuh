@@ -18,16 +18,28 @@
 // xla scan gives; with no used chunk at all they get zeros. Empty segments: final = h0.
 //
 // kOutput (the fused walk_output of the light forward): the chunk output is computed in the walk,
-// and neither h nor v_new is written. The chunk's q streams in with w, k, u; per chunk:
-//   Att = tril_incl(Gam o Q K^T)            warp w: rows 16w.. (chunk_scores, as output.cuh), to
-//                                           a bf16 tile AttS shared by the 4 warps
-//   o[:, 16wv..] = scale (diag(e^G) Q S + Att v_new[:, 16wv..])      (per warp, its 16 columns)
+// and neither h nor v_new is written. One CTA of V / 16 warps (V = 128: 8 warps, 256 threads;
+// V = 64: 4) per (segment, value head) covers all V columns (template VT = V), so the w, k, q, G
+// staging, the bf16 Q and K tiles and Att are loaded / computed once per (segment, head); warp w
+// still owns the 16 state columns 16w..16w+15 exactly as above. The chunk's q streams in with
+// w, k, u; per chunk:
+//   Att = tril_incl(Gam o Q K^T)            warp w: rows 16 (w % 4).., columns 32 (w / 4)..
+//                                           (8 warps; 4 warps: all 64 columns) via
+//                                           chunk_scores_part (output.cuh), to a bf16 tile AttS
+//                                           shared by all warps
+//   o[:, 16w..] = scale (diag(e^G) Q S + Att v_new[:, 16w..])        (per warp, its 16 columns)
 // Q S rides in product 1's loop (same B fragments from S, sign flipped), Att v_new reads the v_new
 // tile product 2 reads. Every operand is rounded to bf16 exactly as the separate output kernel
-// rounds h, v_new, q, k and Att, and every accumulation runs in the same order, so o matches
-// state_walk + output bit for bit (barring compiler contraction differences).
-// Cost (K = V = 128, bf16): 249 registers, 169 KB shared memory (q staging 16 KB, Q and K tiles
-// 17 KB each, Att 9 KB on top of the walk's 109.5 KB), so 1 CTA per SM (K = 64: 105 KB, 2).
+// rounds h, v_new, q, k and Att, and every accumulation runs in the same order (which warp
+// computes an element does not change its mma sequence), so o matches state_walk + output bit for
+// bit (barring compiler contraction differences).
+// Cost (ptxas, sm_90a): K = V = 128, bf16: 240 registers, 193 KB shared memory (u staging and
+// v_new tile 64 x 128; q staging 16 KB, Q and K tiles 17 KB each, Att 9 KB), 1 CTA = 8 warps per
+// SM (the former 2 CTAs of 4 warps per (segment, head): 249 registers, 169 KB, 4 warps per SM).
+// f32 inputs, K = V = 128: 239 registers, 225 KB (of the 227 KB a CTA may have: no room to grow).
+// K = 64, V = 128: 200-205 registers, 129-145 KB, 1 CTA (8 warps). V = 64 (4 warps, 128
+// threads): K = 128 239 registers, 169 / 201 KB (bf16 / f32), 1 CTA; K = 64 160-167 registers,
+// 105 / 121 KB. No spills.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -36,13 +48,21 @@
 namespace jax_cake_gdn {
 
 constexpr int kWalkThreads = 128;
-constexpr int kWalkVT = 64;  // V columns per CTA (4 warps x 16)
+constexpr int kWalkVT = 64;  // V columns per CTA of the state walk (4 warps x 16)
 
-template <typename In, int K, bool kOutput = false>
+// Threads of a CTA covering VT value columns (VT / 16 warps of 32): kWalkThreads for the state
+// walk (VT = kWalkVT), 2 V for walk_output (VT = V).
+template <int VT>
+constexpr int walk_threads() {
+  return 2 * VT;
+}
+
+template <typename In, int K, bool kOutput = false, int VT = kWalkVT>
 struct WalkSmem {
   static constexpr int KP = K + 8;         // bf16 pitch of Ws, Kd
-  static constexpr int UP = kWalkVT + 8;   // f32 pitch of the u staging
-  static constexpr int NP = kWalkVT + 8;   // bf16 pitch of the v_new tile
+  static constexpr int UP = VT + 8;        // f32 pitch of the u staging
+  static constexpr int NP = VT + 8;        // bf16 pitch of the v_new tile
+  static constexpr int AP = kChunk + 8;    // bf16 pitch of the Att tile (kOutput)
   static constexpr size_t kStW = size_t{kChunk} * K * sizeof(float);
   static constexpr size_t kStK = size_t{kChunk} * K * sizeof(In);
   static constexpr size_t kStU = size_t{kChunk} * UP * sizeof(float);
@@ -60,7 +80,7 @@ struct WalkSmem {
   static constexpr size_t kStQ = kOutput ? size_t{kChunk} * K * sizeof(In) : 0;
   static constexpr size_t kRow = kOutput ? kChunk * sizeof(float) : 0;
   static constexpr size_t kQK = kOutput ? kWs : 0;
-  static constexpr size_t kAtt = kOutput ? kVn : 0;
+  static constexpr size_t kAtt = kOutput ? size_t{kChunk} * AP * sizeof(bf16) : 0;
   static constexpr size_t oStQ = oVn + kVn;
   static constexpr size_t oStRq = oStQ + kStQ;
   static constexpr size_t oSG = oStRq + kRow;
@@ -91,10 +111,11 @@ __device__ __forceinline__ void state_rw(float (&S)[K / 8][4], float* base, int 
   }
 }
 
-// kOutput = false: qin (the q input), rstd_q and o are unused (nullptr). kOutput = true: h and
-// v_new are unused (nullptr); o [T, HV, V] in Out.
-template <typename In, int K, bool kOutput = false, typename Out = float>
-__global__ void __launch_bounds__(kWalkThreads)
+// kOutput = false: qin (the q input), rstd_q and o are unused (nullptr); VT = kWalkVT.
+// kOutput = true: h and v_new are unused (nullptr); o [T, HV, V] in Out; VT = V (one CTA per
+// (segment, value head)).
+template <typename In, int K, bool kOutput = false, typename Out = float, int VT = kWalkVT>
+__global__ void __launch_bounds__(walk_threads<VT>())
     state_walk_kernel(const In* __restrict__ k, const float* __restrict__ w,
                       const float* __restrict__ u, const float* __restrict__ G,
                       const float* __restrict__ h0, const float* __restrict__ rstd,  // nullable
@@ -105,9 +126,12 @@ __global__ void __launch_bounds__(kWalkThreads)
                       int64_t num_tokens, int H, int HV, int V, int NC,
                       const In* __restrict__ qin, const float* __restrict__ rstd_q,  // nullable
                       Out* __restrict__ o, float scale) {
-  using Sm = WalkSmem<In, K, kOutput>;
-  constexpr int KP = Sm::KP, UP = Sm::UP, NP = Sm::NP;
+  static_assert(kOutput || VT == kWalkVT, "the state walk runs 64-column tiles");
+  static_assert(VT == 64 || VT == 128, "4 or 8 warps");
+  using Sm = WalkSmem<In, K, kOutput, VT>;
+  constexpr int KP = Sm::KP, UP = Sm::UP, NP = Sm::NP, AP = Sm::AP;
   constexpr int KS = K / 16;
+  constexpr int kThreads = walk_threads<VT>();
   extern __shared__ __align__(16) unsigned char smem[];
   float* stW = reinterpret_cast<float*>(smem);
   In* stK = reinterpret_cast<In*>(smem + Sm::oStK);
@@ -126,9 +150,9 @@ __global__ void __launch_bounds__(kWalkThreads)
 
   // 1-D grid: V tiles of one (segment, head) adjacent (they read the same w, k: L2 hits), then
   // heads, then segments (segments given longest-first start first).
-  const int ntiles = V / kWalkVT;
+  const int ntiles = V / VT;  // 1 with kOutput
   const int tile = blockIdx.x % ntiles, rest = blockIdx.x / ntiles;
-  const int hv = rest % HV, s = rest / HV, v0 = tile * kWalkVT;
+  const int hv = rest % HV, s = rest / HV, v0 = tile * VT;
   const int hk = hv / (HV / H);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   const int64_t state_stride = int64_t{K} * V;  // one (.., hv) K x V state
@@ -162,7 +186,7 @@ __global__ void __launch_bounds__(kWalkThreads)
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     constexpr int kWv = K / 4;  // 16-byte pieces per w row
 #pragma unroll 4
-    for (int idx = tid; idx < kChunk * kWv; idx += kWalkThreads) {
+    for (int idx = tid; idx < kChunk * kWv; idx += kThreads) {
       const int t = idx / kWv, c4 = (idx % kWv) * 4;
       const bool ok = t < cs.len;
       const float* src = ok ? w + ((cs.start + t) * HV + hv) * K + c4 : w;
@@ -171,7 +195,7 @@ __global__ void __launch_bounds__(kWalkThreads)
     constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
     constexpr int kKv = K / kEl;
 #pragma unroll 4
-    for (int idx = tid; idx < kChunk * kKv; idx += kWalkThreads) {
+    for (int idx = tid; idx < kChunk * kKv; idx += kThreads) {
       const int t = idx / kKv, ce = (idx % kKv) * kEl;
       const bool ok = t < cs.len;
       const In* src = ok ? k + ((cs.start + t) * H + hk) * K + ce : k;
@@ -179,7 +203,7 @@ __global__ void __launch_bounds__(kWalkThreads)
     }
     if constexpr (kOutput) {
 #pragma unroll 4
-      for (int idx = tid; idx < kChunk * kKv; idx += kWalkThreads) {
+      for (int idx = tid; idx < kChunk * kKv; idx += kThreads) {
         const int t = idx / kKv, ce = (idx % kKv) * kEl;
         const bool ok = t < cs.len;
         const In* src = ok ? qin + ((cs.start + t) * H + hk) * K + ce : qin;
@@ -190,9 +214,9 @@ __global__ void __launch_bounds__(kWalkThreads)
         cp_async4(stRq + tid, ok ? rstd_q + (cs.start + tid) * H + hk : rstd_q, ok);
       }
     }
-    constexpr int kUv = kWalkVT / 4;
+    constexpr int kUv = VT / 4;
 #pragma unroll 4
-    for (int idx = tid; idx < kChunk * kUv; idx += kWalkThreads) {
+    for (int idx = tid; idx < kChunk * kUv; idx += kThreads) {
       const int t = idx / kUv, c4 = (idx % kUv) * 4;
       const bool ok = t < cs.len;
       const float* src = ok ? u + ((cs.start + t) * HV + hv) * V + v0 + c4 : u;
@@ -201,7 +225,7 @@ __global__ void __launch_bounds__(kWalkThreads)
     if (tid < kChunk) {
       const bool ok = tid < cs.len;
       cp_async4(stG + tid, ok ? G + (cs.start + tid) * HV + hv : G, ok);
-    } else if (rstd != nullptr) {
+    } else if (rstd != nullptr && (kThreads <= 2 * kChunk || tid < 2 * kChunk)) {
       const int t = tid - kChunk;
       const bool ok = t < cs.len;
       cp_async4(stR + t, ok ? rstd + (cs.start + t) * H + hk : rstd, ok);
@@ -222,7 +246,7 @@ __global__ void __launch_bounds__(kWalkThreads)
     {
       constexpr int kV8 = K / 8;
 #pragma unroll 4
-      for (int idx = tid; idx < kChunk * kV8; idx += kWalkThreads) {
+      for (int idx = tid; idx < kChunk * kV8; idx += kThreads) {
         const int t = idx / kV8, c8 = (idx % kV8) * 8;
         float f[8];
         lds8(stW + t * K + c8, f);
@@ -257,20 +281,22 @@ __global__ void __launch_bounds__(kWalkThreads)
     // o accumulators (kOutput): rows 16mt.., this warp's columns 16wv + 8nv..
     [[maybe_unused]] float oacc[4][2][4];
     if constexpr (kOutput) {
-      // Att rows 16wv.. of this warp -> the shared bf16 tile (read by every warp after the
-      // barrier below)
+      // This warp's part of Att -> the shared bf16 tile (read by every warp after the barrier
+      // below): rows 16 (warp % 4).., columns j0.. (4 warps: all 64; 8 warps: 32 each)
       {
+        constexpr int kGroups = VT / 64, NTA = 8 / kGroups;  // column groups, n-tiles per warp
+        const int rw = warp % 4, j0 = (warp / 4) * (8 * NTA);
         uint32_t qa[KS][4];
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) lda_rm(qa[ks], Qs + (16 * warp) * KP + 16 * ks, KP);
-        float att[8][4];
-        chunk_scores<KS>(att, qa, Ks, KP, sG);
-        const int i0 = 16 * warp + g;
+        for (int ks = 0; ks < KS; ++ks) lda_rm(qa[ks], Qs + (16 * rw) * KP + 16 * ks, KP);
+        float att[NTA][4];
+        chunk_scores_part<KS, NTA>(att, qa, Ks, KP, sG, rw, j0);
+        const int i0 = 16 * rw + g;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          *reinterpret_cast<uint32_t*>(AttS + i0 * NP + 8 * nt + 2 * q) =
+        for (int nt = 0; nt < NTA; ++nt) {
+          *reinterpret_cast<uint32_t*>(AttS + i0 * AP + j0 + 8 * nt + 2 * q) =
               pack_bf16(att[nt][0], att[nt][1]);
-          *reinterpret_cast<uint32_t*>(AttS + (i0 + 8) * NP + 8 * nt + 2 * q) =
+          *reinterpret_cast<uint32_t*>(AttS + (i0 + 8) * AP + j0 + 8 * nt + 2 * q) =
               pack_bf16(att[nt][2], att[nt][3]);
         }
       }
@@ -338,7 +364,7 @@ __global__ void __launch_bounds__(kWalkThreads)
         }
         uint32_t pa[4][4];
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) lda_rm(pa[ks], AttS + (16 * mt) * NP + 16 * ks, NP);
+        for (int ks = 0; ks < 4; ++ks) lda_rm(pa[ks], AttS + (16 * mt) * AP + 16 * ks, AP);
         mma_rm<4, 2>(oacc[mt], pa, Vn + 16 * warp, NP);
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
