@@ -1,6 +1,6 @@
 """Plot (PNG) and tabulate (Markdown) benchmark results from benchmarks/results/.
 
-    python -m benchmarks.plot                      # today's H200 files -> the PNG next to them
+    python -m benchmarks.plot                      # the latest H200 peers run -> the PNG next to it
     python -m benchmarks.plot --markdown           # also print the README's tables
     python -m benchmarks.plot --json R.json ... --log L.log ... --out P.png
 
@@ -25,9 +25,9 @@ from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-DEFAULT_JSON = [os.path.join(RESULTS, "B23_2026-11-29_h200.json")]
-DEFAULT_LOG = [os.path.join(RESULTS, "long_2026-11-29_h200_partial.log")]
-DEFAULT_OUT = os.path.join(RESULTS, "h200_2026-11-29.png")
+DEFAULT_JSON = [os.path.join(RESULTS, "B23_2026-11-29b_h200.json")]
+DEFAULT_LOG: List[str] = []
+DEFAULT_OUT = os.path.join(RESULTS, "h200_2026-11-29b.png")
 
 # arm name -> (label, colour); unknown arms get matplotlib's next colour
 ARMS = {
@@ -35,11 +35,13 @@ ARMS = {
     "xla": ("jax-cake-gdn xla", "#ff9896"),
     "flashqla": ("FlashQLA 0.1.3 (torch)", "#1f77b4"),
     "fla": ("FLA 0.6.0 (torch)", "#aec7e8"),
+    "cuda:full": ("jax-cake-gdn cuda, save_mode full", "#9467bd"),
 }
+OTHER_COLOUR = "#7f7f7f"
 
 
 # The cuda backend has forward kernels only (2026-11-29): its backward runs the xla primitives.
-CUDA_BWD_NOTE = "\n(cuda fwd, xla bwd)"
+CUDA_BWD_NOTE = "\n(cuda fwd, xla bwd)"  # runs whose library had no chunk_bwd kernel yet
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Run:
     calls: Dict[str, Dict[str, int]] = field(default_factory=dict)
     floor_ms: Dict[str, float] = field(default_factory=dict)
     note: str = ""
+    xla_bwd: bool = False  # the cuda arm's backward ran (mostly) the xla primitives
 
 
 def _title(name, T, doc_lens, H, HV, K, V, dtype) -> str:
@@ -71,6 +74,7 @@ def load_json(path: str) -> Run:
         run.medians.setdefault(r["op"], {})[r["arm"]] = r["median_ms"]
         run.calls.setdefault(r["op"], {})[r["arm"]] = r["n_calls"]
     run.floor_ms = {op: f["ms"] for op, f in d.get("floor", {}).items()}
+    run.xla_bwd = "chunk_bwd" not in d.get("library", {}).get("cuda_kernels", [])
     return run
 
 
@@ -152,8 +156,9 @@ def plot(runs: List[Run], out: str) -> None:
     for ax, (run, op) in zip(axes[0], panels):
         arms = sorted(run.medians[op], key=lambda a: run.medians[op][a])
         ms = [run.medians[op][a] for a in arms]
-        colours = [ARMS.get(a, (a, None))[1] for a in arms]
-        labels = [ARMS.get(a, (a,))[0] + (CUDA_BWD_NOTE if a == "cuda" and op != "fwd" else "")
+        colours = [ARMS.get(a, (a, OTHER_COLOUR))[1] for a in arms]
+        labels = [ARMS.get(a, (a,))[0] +
+                  (CUDA_BWD_NOTE if run.xla_bwd and a.startswith("cuda") and op != "fwd" else "")
                   for a in arms]
         bars = ax.barh(labels, ms, color=colours)
         for b, x in zip(bars, ms):
@@ -177,7 +182,7 @@ def plot(runs: List[Run], out: str) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.plot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", nargs="*", default=None, help="result JSONs (default: today's B23)")
+    p.add_argument("--json", nargs="*", default=None, help="result JSONs (default: the latest B23 peers run)")
     p.add_argument("--log", nargs="*", default=None, help="progress logs of unfinished runs")
     p.add_argument("--out", default=DEFAULT_OUT, help="PNG path ('' for none)")
     p.add_argument("--markdown", action="store_true", help="print Markdown tables to stdout")

@@ -70,11 +70,19 @@ def parse_args(argv=None):
 
 
 def _git_commit():
+    """HEAD of the repository this file is in ("+dirty" when it has changes), else None.
+
+    None too when the nearest .git belongs to a folder above this checkout (a copy of the tree
+    inside another repository would otherwise report that repository's HEAD)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True,
+                                    timeout=10).stdout.strip()
     try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                           timeout=10)
-        return r.stdout.strip() or None
+        if os.path.realpath(git("rev-parse", "--show-toplevel") or "/") != os.path.realpath(root):
+            return None
+        head = git("rev-parse", "HEAD")
+        return (head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+                ) if head else None
     except Exception:  # noqa: BLE001
         return None
 

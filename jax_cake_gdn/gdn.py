@@ -133,14 +133,20 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
       qk_l2norm: L2-normalise q and k per head row inside the op (x / sqrt(sum x^2 + 1e-6)).
       initial_state: optional float32 [N or B, HV, K, V] entry state per document.
       output_final_state: also return the exit state per document, float32 [N or B, HV, K, V].
-      save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays the state
-        walk in the backward; "full" also keeps w, u, the h tape, v_new and the intra-chunk scores.
-        Both give bitwise-equal gradients.
-      deterministic: ask for bitwise-reproducible gradients. Every primitive available today (xla,
-        and the cuda gate cumsum) is deterministic, so both values behave the same.
+      save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays w, u
+        and the state walk in the backward; "full" also keeps w, u, the h tape, v_new and the
+        intra-chunk scores. Both give bitwise-equal gradients. On the cuda backend the light
+        forward runs the walk and the output as one kernel (walk_output; the h tape never reaches
+        HBM) and is the faster forward; full skips the replay and is the faster fwd+bwd (B23 on an
+        H200: fwd 4.13 vs 5.24 ms, fwd+bwd 15.2 vs 13.9 ms).
+      deterministic: ask for bitwise-reproducible gradients. Every primitive of both backends is
+        deterministic today (fixed reduction order; the CUDA kernels use no atomics), so both
+        values behave the same: repeated runs with the same shapes on the same device give
+        bitwise-equal outputs and gradients.
       backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
-        "cuda". Under "cuda" only the primitives in `primitives.CUDA_KERNELS` are CUDA kernels
-        today; the others run the xla implementation.
+        "cuda". Under "cuda" every primitive of the forward and the backward is a CUDA kernel
+        (`primitives.CUDA_KERNELS`); the GVA group sum and L2-norm backward of dq/dk, the gate
+        options and the short conv are jax.numpy.
       use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: the gate
         options of flash-linear-attention's `chunk_gated_delta_rule`, same names and meaning
         (see `jax_cake_gdn.gates`). use_gate_in_kernel=True: g is raw and the log decay is

@@ -2,7 +2,7 @@
 primitive set.
 
 CPU host: the wrappers lower for the cuda platform to their custom calls (walk_bwd: scores given,
-or a zero-size operand when recomputed; chunk_bwd: rstd or zero-size operands); the gradient of
+or an f32[1] placeholder when recomputed; chunk_bwd: rstd or f32[1] placeholders); the gradient of
 gdn(backend="cuda") calls both kernels once and has no while loop; bad inputs raise ValueError
 naming the argument.
 GPU host: cuda walk_bwd against xla walk_bwd on identical inputs (made by the xla forward
@@ -12,7 +12,8 @@ primitives) on uneven documents (1, 0, 63, 64, 65, 0, 1000 tokens; 4 unused chun
 the same under JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite; cuda chunk_bwd
 against xla chunk_bwd on the same inputs and configurations (every gradient, relative RMS <= 1e-2,
 every token row finite, also under poison); and gdn gradients on the cuda backend (both kernels)
-against the float64 reference (<= 1e-2), light and full bitwise equal.
+against the float64 reference (<= 1e-2), light and full bitwise equal; deterministic=True
+gradients bitwise equal over 10 runs, with the device memory they reuse first filled with NaN.
 """
 
 from __future__ import annotations
@@ -196,10 +197,11 @@ def test_lower_chunk_bwd_for_cuda(dims, l2):
     assert "stablehlo.while" not in hlo
 
 
-def _grad_fn(backend, save_mode="light"):
+def _grad_fn(backend, save_mode="light", deterministic=False):
     def loss(q, k, v, g, beta, h0, cu):
         o, fin = gdn(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=True, initial_state=h0,
-                     output_final_state=True, save_mode=save_mode, backend=backend)
+                     output_final_state=True, save_mode=save_mode, backend=backend,
+                     deterministic=deterministic)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(fin)
 
     return jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5))
@@ -465,3 +467,24 @@ def test_gpu_gradients_with_cuda_walk_bwd():
                        timeout=600)
     print(r.stdout[-3000:])
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+
+
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+def test_gpu_deterministic_gradients_bitwise_over_runs(save_mode):
+    """deterministic=True: 10 runs of the jitted gradient are bitwise equal, also when the memory
+    they reuse was first filled with NaN (outputs are freed between runs, so buffers recur)."""
+    need_gpu()
+    inp = make_walk_inputs(31, H=16, HV=48, doc_lens=(1, 3000, 65, 0, 2000, 1111))
+    args = [inp[n][None] for n in ("q", "k", "v", "g", "beta")] + [inp["h0"], inp["cu"]]
+    f = jax.jit(_grad_fn("cuda", save_mode, deterministic=True))
+    first = [np.asarray(x) for x in f(*args)]
+    nbytes = sum(x.nbytes for x in first)
+    for run in range(10):
+        if run % 2:
+            junk = jnp.full((nbytes // 4 * 3,), jnp.nan, jnp.float32).block_until_ready()
+            del junk
+        out = f(*args)
+        for name, a, b in zip(("q", "k", "v", "g", "beta", "h0"), out, first):
+            np.testing.assert_array_equal(np.asarray(a), b, err_msg=f"run {run}: d{name}")
+        del out
+    assert all(np.isfinite(x.astype(np.float32)).all() for x in first)

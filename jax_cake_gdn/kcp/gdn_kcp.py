@@ -106,7 +106,9 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     save_transfer: keep the transfer walk's residuals and the received summaries (default True
       for a2a, False for ring; ring with True is an error). False replays them in the backward.
     segments: P, the units per piece (default: `plan_kcp`).
-    deterministic: every primitive available today is deterministic; both values behave alike.
+    deterministic: every primitive of both backends is deterministic and the exchanges only move
+      data; both values behave alike. (The gradients of a replicated A_log / dt_bias are summed
+      over the ranks by JAX's all-reduce, whose order is NCCL's.)
     use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's gate
       options, as in `gdn` (g, beta are then this rank's raw inputs; A_log, dt_bias [HV] float32
       are replicated, and their gradients are summed over the ranks). Computed in jax.numpy
