@@ -241,6 +241,31 @@ def _qkv(fn: str, name: str, x, rank: int = 3):
     return x
 
 
+def _qk(fn: str, q, k):
+    """q, k: one rank-3 shape [T, H, K] and one dtype (bf16 or f32)."""
+    q = _qkv(fn, "q", q)
+    k = _qkv(fn, "k", k)
+    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
+    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
+    return q, k
+
+
+def _tokens_v(fn: str, name: str, x, T: int):
+    """Rank and token count of a float32 [T, HV, V] array whose HV and V the caller reads (its
+    dtype is checked afterwards, with `_f32`)."""
+    x = jnp.asarray(x)
+    _check(x.ndim == 3 and x.shape[0] == T,
+           f"{fn}: {name} must be float32 [T, HV, V], got {x.shape}")
+    return x
+
+
+def _out_dtype(fn: str, out_dtype):
+    out_dtype = np.dtype(out_dtype)
+    _check(out_dtype in _QKV_DTYPES,
+           f"{fn}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    return out_dtype
+
+
 def _f32(fn: str, name: str, x, shape):
     x = jnp.asarray(x)
     _check(x.dtype == np.float32, f"{fn}: {name} must be float32, got {x.dtype}")
@@ -336,8 +361,7 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
     fn = "state_walk"
     k = _qkv(fn, "k", k)
     T, H, K = k.shape
-    u = jnp.asarray(u)
-    _check(u.ndim == 3 and u.shape[0] == T, f"{fn}: u must be float32 [T, HV, V], got {u.shape}")
+    u = _tokens_v(fn, "u", u, T)
     HV, V = u.shape[1], u.shape[2]
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
@@ -360,14 +384,9 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att [NC, HV, 64, 64] f32 if asked
     (else None)."""
     fn = "output"
-    q = _qkv(fn, "q", q)
-    k = _qkv(fn, "k", k)
+    q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
-    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
-    v_new = jnp.asarray(v_new)
-    _check(v_new.ndim == 3 and v_new.shape[0] == T,
-           f"{fn}: v_new must be float32 [T, HV, V], got {v_new.shape}")
+    v_new = _tokens_v(fn, "v_new", v_new, T)
     HV, V = v_new.shape[1], v_new.shape[2]
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
@@ -378,9 +397,7 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     h = _f32(fn, "h", h, (NC, HV, K, V))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
-    out_dtype = np.dtype(out_dtype)
-    _check(out_dtype in _QKV_DTYPES,
-           f"{fn}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    out_dtype = _out_dtype(fn, out_dtype)
     s_shape = (NC, HV, _CHUNK, _CHUNK) if with_scores else _ABSENT.shape
     o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.float32)],
                       q, k, G, h, v_new, rq, rk, cs, cl, scale=np.float32(scale))
@@ -396,13 +413,9 @@ def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_f
     of each segment f32[S, HV, K, V] (as `state_walk`).
     """
     fn = "walk_output"
-    q = _qkv(fn, "q", q)
-    k = _qkv(fn, "k", k)
+    q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
-    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
-    u = jnp.asarray(u)
-    _check(u.ndim == 3 and u.shape[0] == T, f"{fn}: u must be float32 [T, HV, V], got {u.shape}")
+    u = _tokens_v(fn, "u", u, T)
     HV, V = u.shape[1], u.shape[2]
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
@@ -415,9 +428,7 @@ def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_f
     h0 = _f32(fn, "h0", h0, (S, HV, K, V))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
-    out_dtype = np.dtype(out_dtype)
-    _check(out_dtype in _QKV_DTYPES,
-           f"{fn}: out_dtype must be bfloat16 or float32, got {out_dtype}")
+    out_dtype = _out_dtype(fn, out_dtype)
     o, final = _call(fn, [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)],
                      q, k, w, u, G, h0, rq, rk, cs, cl, sf, sla, sl, scale=np.float32(scale))
     return o, final
@@ -439,11 +450,8 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     and dh0 f32[S, HV, K, V] (gradient of each segment's entry state; dfinal for an empty one).
     """
     fn = "walk_bwd"
-    q = _qkv(fn, "q", q)
-    k = _qkv(fn, "k", k)
+    q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
-    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
     do = _qkv(fn, "do", do)
     _check(do.shape[0] == T, f"{fn}: do must be [T, HV, V] with T = {T}, got {do.shape}")
     HV, V = do.shape[1], do.shape[2]
@@ -484,11 +492,8 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     from .xla import _group_sum, _l2norm_bwd
 
     fn = "chunk_bwd"
-    q = _qkv(fn, "q", q)
-    k = _qkv(fn, "k", k)
+    q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    _check(k.shape == q.shape, f"{fn}: k must have q's shape {q.shape}, got {k.shape}")
-    _check(k.dtype == q.dtype, f"{fn}: k must have q's dtype {q.dtype}, got {k.dtype}")
     v = _qkv(fn, "v", v)
     _check(v.shape[0] == T, f"{fn}: v must be [T, HV, V] with T = {T}, got {v.shape}")
     _check(v.dtype == q.dtype, f"{fn}: v must have q's dtype {q.dtype}, got {v.dtype}")
