@@ -1,6 +1,8 @@
 """Shared test setup: 8 host devices for the context-parallel tests, and input makers."""
 
 import os
+import subprocess
+import sys
 import zlib
 
 # Must precede the first jax import anywhere in the test session.
@@ -35,6 +37,16 @@ def need_gpu():
     need_ext()
     if not cuda.gpu_available():
         pytest.skip("no CUDA GPU")
+
+
+def run_python(code: str, *, poison: bool = False, timeout: float = 600):
+    """Run `code` in a fresh Python and assert it exits 0 having printed OK. poison=True sets
+    JAX_CAKE_GDN_POISON=1 (the kernels read it once per process, hence the fresh process)."""
+    env = dict(os.environ, JAX_CAKE_GDN_POISON="1") if poison else None
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=timeout)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    return r
 
 
 def make_inputs(rng, *, B=1, T=200, H=2, HV=4, K=32, V=32, dtype=jnp.float32, qk_l2norm=False,

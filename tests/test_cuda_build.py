@@ -9,15 +9,13 @@ process).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import need_ext, need_gpu
+from conftest import need_ext, need_gpu, run_python
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -136,8 +134,7 @@ def test_missing_extension_warns_once():
         assert len(w) == 1 and "cuda backend is unavailable" in str(w[0].message), w
         print("OK")
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    run_python(code, timeout=300)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,8 +170,4 @@ _GPU_CHECK = textwrap.dedent("""
 
 def test_gpu_gate_cumsum_matches_numpy_with_poison():
     need_gpu()
-    env = dict(os.environ, JAX_CAKE_GDN_POISON="1")
-    code = _GPU_CHECK.format(here=os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    run_python(_GPU_CHECK.format(here=os.path.abspath(__file__)), poison=True)

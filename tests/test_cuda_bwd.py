@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import zlib
 
@@ -29,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import need_ext, need_gpu
+from conftest import need_ext, need_gpu, run_python
 
 from jax_cake_gdn import gdn, primitives
 from jax_cake_gdn.chunks import chunk_table
@@ -407,11 +405,7 @@ _POISON_CHECK = textwrap.dedent("""
 
 def test_gpu_walk_bwd_finite_under_poison():
     need_gpu()
-    env = dict(os.environ, JAX_CAKE_GDN_POISON="1")
-    code = _POISON_CHECK.format(here=os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=600)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    run_python(_POISON_CHECK.format(here=os.path.abspath(__file__)), poison=True)
 
 
 _GRAD_CHECK = textwrap.dedent("""
@@ -462,11 +456,8 @@ def test_gpu_gradients_with_cuda_walk_bwd():
     """gdn(backend="cuda") gradients (walk_bwd and chunk_bwd kernels) against the f64 reference;
     light and full bitwise equal."""
     need_gpu()
-    code = _GRAD_CHECK.format(here=os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=600)
+    r = run_python(_GRAD_CHECK.format(here=os.path.abspath(__file__)))
     print(r.stdout[-3000:])
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
 
 
 @pytest.mark.parametrize("save_mode", ["light", "full"])

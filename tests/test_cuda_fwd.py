@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 import zlib
 
@@ -25,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import need_ext, need_gpu
+from conftest import need_ext, need_gpu, run_python
 
 from jax_cake_gdn import gdn, primitives
 from jax_cake_gdn.chunks import chunk_table
@@ -372,11 +370,7 @@ _POISON_CHECK = textwrap.dedent("""
 
 def test_gpu_forward_finite_under_poison():
     need_gpu()
-    env = dict(os.environ, JAX_CAKE_GDN_POISON="1")
-    code = _POISON_CHECK.format(here=os.path.abspath(__file__))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=900)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    run_python(_POISON_CHECK.format(here=os.path.abspath(__file__)), poison=True, timeout=900)
 
 
 def test_gpu_gradients_through_cuda_forward():

@@ -3,15 +3,13 @@ collectives from XLA) equals gdn on one GPU. Runs where at least W CUDA GPUs are
 with the reason otherwise (W = 2 on nvidia-h200-x2; 4 and 8 where such machines exist)."""
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_inputs, need_gpu, rel_rms
+from conftest import make_inputs, need_gpu, rel_rms, run_python
 from kcp_harness import (LAYOUTS, NAMES, docs_for, run_conv_kcp, run_conv_one_device, run_kcp,
                          run_one_device)
 
@@ -98,8 +96,5 @@ _POISON_CHECK = textwrap.dedent("""
 def test_cp_on_gpus_finite_under_poison():
     W = 2
     gpus(W)
-    env = dict(os.environ, JAX_CAKE_GDN_POISON="1")
-    code = _POISON_CHECK.format(here=os.path.abspath(__file__), W=W)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                       timeout=900)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-4000:] + r.stderr[-4000:]
+    run_python(_POISON_CHECK.format(here=os.path.abspath(__file__), W=W), poison=True,
+               timeout=900)
