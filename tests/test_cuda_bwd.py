@@ -64,21 +64,26 @@ def make_walk_inputs(seed, H=2, HV=6, K=128, V=128, dtype=jnp.bfloat16, qk_l2nor
         cu=jnp.asarray(cu))
 
 
+def _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm):
+    """The xla forward primitives' intermediates: (ct, rq, rk, G, A, w, u, h, v_new)."""
+    ct = chunk_table(cu, q.shape[0])
+    rq = X.l2norm_rstd(q) if qk_l2norm else None
+    rk = X.l2norm_rstd(k) if qk_l2norm else None
+    G = X.gate_cumsum(g, ct)
+    A = X.solve_a(k, beta, G, rk, ct)
+    w, u = X.wy(k, v, beta, G, A, rk, ct)
+    h, vn, _ = X.state_walk(k, w, u, G, h0, rk, ct)
+    return ct, rq, rk, G, A, w, u, h, vn
+
+
 def walk_pairs(inp, qk_l2norm):
     """xla walk_bwd and cuda walk_bwd (scores None; xla's scores; cuda's scores) on the same
     inputs, made by the xla forward primitives. Returns a dict of arrays and the chunk lengths."""
-    T, H, K = inp["q"].shape
-    scale = K**-0.5
+    scale = inp["q"].shape[-1] ** -0.5
 
     @jax.jit
     def run(q, k, v, g, beta, h0, do, dfinal, cu):
-        ct = chunk_table(cu, T)
-        rq = X.l2norm_rstd(q) if qk_l2norm else None
-        rk = X.l2norm_rstd(k) if qk_l2norm else None
-        G = X.gate_cumsum(g, ct)
-        A = X.solve_a(k, beta, G, rk, ct)
-        w, u = X.wy(k, v, beta, G, A, rk, ct)
-        h, vn, _ = X.state_walk(k, w, u, G, h0, rk, ct)
+        ct, rq, rk, G, A, w, u, h, vn = _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm)
         _, sc = X.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
                          with_scores=True)
         _, sc_cuda = cuda.output(q, k, G, h, vn, rq, rk, ct.start, ct.length, scale=scale,
@@ -101,18 +106,11 @@ CB_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 def chunk_bwd_pairs(inp, qk_l2norm):
     """xla chunk_bwd and cuda chunk_bwd on the same inputs (the xla forward primitives and the
     xla walk_bwd make A, h, v_new, dS_end). Returns {"xla": 5 arrays, "cuda": 5 arrays}."""
-    T, H, K = inp["q"].shape
-    scale = K**-0.5
+    scale = inp["q"].shape[-1] ** -0.5
 
     @jax.jit
     def run(q, k, v, g, beta, h0, do, dfinal, cu):
-        ct = chunk_table(cu, T)
-        rq = X.l2norm_rstd(q) if qk_l2norm else None
-        rk = X.l2norm_rstd(k) if qk_l2norm else None
-        G = X.gate_cumsum(g, ct)
-        A = X.solve_a(k, beta, G, rk, ct)
-        w, u = X.wy(k, v, beta, G, A, rk, ct)
-        h, vn, _ = X.state_walk(k, w, u, G, h0, rk, ct)
+        ct, rq, rk, G, A, w, u, h, vn = _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm)
         dS, _ = X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
         return {"xla": X.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, dS, do, rq, rk, ct,
                                    scale=scale),
