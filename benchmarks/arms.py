@@ -295,6 +295,7 @@ def kcp_arm(opts: List[str]) -> Arm:
         else:
             raise ValueError(f"arm kcp: unknown option {o!r}")
     name = ":".join(["kcp"] + opts)
+    state = {}  # setup's document bounds, for to_numpy's from_layout
 
     def setup(wl, op, inputs):
         import jax
@@ -311,7 +312,7 @@ def kcp_arm(opts: List[str]) -> Arm:
         mesh = jax.make_mesh((W,), (_KCP_AXIS,), devices=jax.devices()[:W])
         tok, rep = NamedSharding(mesh, Ps(None, _KCP_AXIS)), NamedSharding(mesh, Ps())
         dev = _jax_inputs(wl, inputs)
-        cu = dev["cu_seqlens"]
+        cu = state["cu"] = dev["cu_seqlens"]
         if xonly:
             return _kcp_exchange_call(wl, op, cfg, W, mesh, cu)
         names = ("q", "k", "v", "g", "beta")
@@ -342,7 +343,7 @@ def kcp_arm(opts: List[str]) -> Arm:
 
         import jax_cake_gdn as jcg
 
-        cu = next(iter(_JAX_INPUT_CACHE.values()))["cu_seqlens"]
+        cu = state["cu"]
         out = []
         for x in jax.tree_util.tree_leaves(res):
             if x.ndim >= 2:  # token arrays come back in layout order

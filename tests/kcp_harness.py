@@ -31,14 +31,22 @@ def mesh(devices):
     return jax.make_mesh((len(devices),), (AX,), devices=list(devices))
 
 
-def run_kcp(devices, layout, cu, args, do, *, backend="xla", **kw):
-    """(o, grads) of sum(o * do) through gdn_kcp over `devices`, in global token order."""
+def _placement(devices, layout, cu):
+    """(mesh, lay, back, cu): `lay` puts a global [1, T, ...] array in layout order, sharded over
+    the ranks; `back` returns a rank-sharded result to global token order on the host."""
     devices = tuple(devices)
     W, m = len(devices), mesh(devices)
     tok = NamedSharding(m, P(None, AX))
-    rep = NamedSharding(m, P())
     cu_j = jnp.asarray(cu)
     lay = lambda x: jax.device_put(J.to_layout(np.asarray(x), cu_j, layout, W), tok)
+    back = lambda x: np.asarray(J.from_layout(np.asarray(x), cu_j, layout, W))
+    return m, lay, back, cu_j
+
+
+def run_kcp(devices, layout, cu, args, do, *, backend="xla", **kw):
+    """(o, grads) of sum(o * do) through gdn_kcp over `devices`, in global token order."""
+    m, lay, back, cu_j = _placement(devices, layout, cu)
+    rep = NamedSharding(m, P())
 
     def local(q, k, v, g, beta, cu, do):
         f = lambda *a: J.gdn_kcp(*a, cu_seqlens=cu, axis_name=AX, layout=layout,
@@ -49,7 +57,6 @@ def run_kcp(devices, layout, cu, args, do, *, backend="xla", **kw):
     fn = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX),) * 5 + (P(), P(None, AX)),
                                out_specs=(P(None, AX), (P(None, AX),) * 5)))
     o, grads = fn(*[lay(x) for x in args], jax.device_put(cu_j, rep), lay(do))
-    back = lambda x: np.asarray(J.from_layout(np.asarray(x), cu_j, layout, W))
     return back(o), [back(x) for x in grads]
 
 
@@ -63,11 +70,8 @@ def run_one_device(device, cu, args, do, *, backend="xla", **kw):
 
 def run_conv_kcp(devices, layout, cu, x, w, dy):
     """(y, dx, dw) of the CP short conv over `devices`, in global token order."""
-    devices = tuple(devices)
-    W, m = len(devices), mesh(devices)
-    tok, rep = NamedSharding(m, P(None, AX)), NamedSharding(m, P())
-    cu_j = jnp.asarray(cu)
-    lay = lambda a: jax.device_put(J.to_layout(np.asarray(a), cu_j, layout, W), tok)
+    m, lay, back, cu_j = _placement(devices, layout, cu)
+    rep = NamedSharding(m, P())
 
     def local(x, w, cu, dy):
         y, pull = jax.vjp(lambda x, w: J.short_conv(x, w, cu_seqlens=cu, axis_name=AX,
@@ -77,7 +81,6 @@ def run_conv_kcp(devices, layout, cu, x, w, dy):
     fn = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX), P(), P(), P(None, AX)),
                                out_specs=(P(None, AX), P(None, AX), P())))
     y, dx, dw = fn(lay(x), jax.device_put(w, rep), jax.device_put(cu_j, rep), lay(dy))
-    back = lambda a: np.asarray(J.from_layout(np.asarray(a), cu_j, layout, W))
     return back(y), back(dx), np.asarray(dw)
 
 
