@@ -1,0 +1,143 @@
+"""Per-primitive times of one backend on a workload: where the time of gdn's fwd and bwd goes.
+
+    python -m benchmarks.kernels --workload B23 [--backend cuda] [--calls 20] [--out DIR]
+
+Each primitive runs as its own jitted call on inputs precomputed by the same backend (the
+intermediates of one light forward and one full backward), median of `--calls` calls after two
+warm-up calls, each call synchronised (block_until_ready). The times therefore include one
+dispatch each (tens of microseconds) and no L2 flush; they are for finding where the time goes,
+not for comparing with peers (benchmarks/run.py does that). The last rows time the whole
+forward (light, full) and fwd+bwd the same way, for the sum check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def _median_ms(fn, *args, calls):
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts) * 1e3)
+
+
+def primitive_calls(wl, backend: str):
+    """[(name, jitted fn, args)] for every primitive of one gdn fwd + bwd on `wl`'s inputs."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_cake_gdn import primitives
+    from jax_cake_gdn.chunks import chunk_table
+
+    if wl.layer:
+        raise ValueError("per-primitive times are for the gdn workloads (no -layer)")
+    P = primitives.resolve(backend, K=wl.K, V=wl.V)
+    inp = wl.make_inputs(seed=0)
+    act = jnp.bfloat16 if wl.dtype == "bf16" else jnp.float32
+    q, k, v, do = (jnp.asarray(inp[n][0]).astype(act) for n in ("q", "k", "v", "do"))
+    g, beta = jnp.asarray(inp["g"][0]), jnp.asarray(inp["beta"][0])
+    T = wl.T
+    ct = jax.jit(chunk_table, static_argnums=1)(jnp.asarray(inp["cu_seqlens"]), T)
+    h0 = jnp.zeros((wl.N, wl.HV, wl.K, wl.V), jnp.float32)
+    dfinal = jnp.zeros_like(h0)
+    scale = wl.K ** -0.5
+    rq = jax.jit(P.l2norm_rstd)(q) if wl.qk_l2norm else None
+    rk = jax.jit(P.l2norm_rstd)(k) if wl.qk_l2norm else None
+    G = jax.jit(P.gate_cumsum)(g, ct)
+    A = jax.jit(P.solve_a)(k, beta, G, rk, ct)
+    w, u = jax.jit(P.wy)(k, v, beta, G, A, rk, ct)
+    h, vn, _ = jax.jit(P.state_walk)(k, w, u, G, h0, rk, ct)
+
+    def out(q, k, G, h, vn, rq, rk, ct):
+        return P.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=act)
+
+    def walk_out(q, k, w, u, G, h0, rq, rk, ct):
+        return P.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale, out_dtype=act)
+
+    def wbwd(q, k, w, G, do, dfinal, rq, rk, ct):
+        return P.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
+
+    dS_end, _ = jax.jit(wbwd)(q, k, w, G, do, dfinal, rq, rk, ct)
+
+    def cbwd(q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct):
+        return P.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, dS_end, do, rq, rk, ct,
+                           scale=scale)
+
+    calls = []
+    if wl.qk_l2norm:
+        calls.append(("fwd: l2norm_rstd (q or k)", jax.jit(P.l2norm_rstd), (k,)))
+    calls += [
+        ("fwd: gate_cumsum", jax.jit(P.gate_cumsum), (g, ct)),
+        ("fwd: solve_a", jax.jit(P.solve_a), (k, beta, G, rk, ct)),
+        ("fwd: wy", jax.jit(P.wy), (k, v, beta, G, A, rk, ct)),
+        ("fwd light: walk_output", jax.jit(walk_out), (q, k, w, u, G, h0, rq, rk, ct)),
+        ("fwd full: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
+        ("fwd full: output", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
+        ("bwd: walk_bwd", jax.jit(wbwd), (q, k, w, G, do, dfinal, rq, rk, ct)),
+        ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk,
+                                           ct)),
+    ]
+    return calls
+
+
+def whole_op_calls(wl, backend: str):
+    """[(name, fn, args)] for gdn fwd (light, full) and fwd+bwd (light, full) on `wl`."""
+    from .arms import _jax_inputs, build_jax_op
+
+    inp = wl.make_inputs(seed=0)
+    dev = _jax_inputs(wl, inp)
+    rows = []
+    for op in ("fwd", "fwd+bwd"):
+        for mode in ("light", "full"):
+            fn, names = build_jax_op(wl, op, backend=backend, save_mode=mode)
+            rows.append((f"gdn {op} {mode}", fn,
+                         (tuple(dev[n] for n in names), dev["do"], dev["cu_seqlens"])))
+    return rows
+
+
+def main(argv=None):
+    from . import workloads
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", default="B23", choices=[n for n in workloads.names() if not n.endswith("-layer")])
+    ap.add_argument("--backend", default="cuda", choices=("cuda", "xla"))
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--out", default=None, help="directory for kernels_<workload>_<backend>.json")
+    args = ap.parse_args(argv)
+    if args.calls < 1:
+        ap.error("--calls must be >= 1")
+
+    import jax
+
+    wl = workloads.get(args.workload)
+    rows = {}
+    print(f"[kernels] {wl.name} backend={args.backend} device={jax.devices()[0]}", flush=True)
+    for name, fn, a in primitive_calls(wl, args.backend) + whole_op_calls(wl, args.backend):
+        rows[name] = _median_ms(fn, *a, calls=args.calls)
+        print(f"  {name:32s} {rows[name]:9.3f} ms", flush=True)
+    res = dict(workload=wl.describe(), backend=args.backend, device=str(jax.devices()[0]),
+               calls=args.calls, median_ms=rows)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"kernels_{wl.name}_{args.backend}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        print(f"[kernels] wrote {path}", flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
