@@ -57,8 +57,7 @@ def primitive_calls(wl, backend: str):
     rq = jax.jit(P.l2norm_rstd)(q) if wl.qk_l2norm else None
     rk = jax.jit(P.l2norm_rstd)(k) if wl.qk_l2norm else None
     G = jax.jit(P.gate_cumsum)(g, ct)
-    A = jax.jit(P.solve_a)(k, beta, G, rk, ct)
-    w, u = jax.jit(P.wy)(k, v, beta, G, A, rk, ct)
+    A, w, u = jax.jit(P.prep)(k, v, beta, G, rk, ct)
     h, vn, _ = jax.jit(P.state_walk)(k, w, u, G, h0, rk, ct)
 
     def out(q, k, G, h, vn, rq, rk, ct):
@@ -81,11 +80,11 @@ def primitive_calls(wl, backend: str):
         calls.append(("fwd: l2norm_rstd (q or k)", jax.jit(P.l2norm_rstd), (k,)))
     calls += [
         ("fwd: gate_cumsum", jax.jit(P.gate_cumsum), (g, ct)),
-        ("fwd: solve_a", jax.jit(P.solve_a), (k, beta, G, rk, ct)),
-        ("fwd: wy", jax.jit(P.wy), (k, v, beta, G, A, rk, ct)),
+        ("fwd: prep", jax.jit(P.prep), (k, v, beta, G, rk, ct)),
         ("fwd light: walk_output", jax.jit(walk_out), (q, k, w, u, G, h0, rq, rk, ct)),
         ("fwd full: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
         ("fwd full: output", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
+        ("bwd light: wy (replay)", jax.jit(P.wy), (k, v, beta, G, A, rk, ct)),
         ("bwd: walk_bwd", jax.jit(wbwd), (q, k, w, G, do, dfinal, rq, rk, ct)),
         ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk,
                                            ct)),

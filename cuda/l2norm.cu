@@ -1,9 +1,13 @@
-// L2-norm reciprocal of each q / k head row (DESIGN.md section 1):
+// The q / k L2 norm (DESIGN.md section 1), forward and the backward epilogue of dq / dk:
 //
 //   jax_cake_gdn_l2norm_rstd(x [T, H, K] bf16 or f32) -> rstd f32[T, H] = 1 / sqrt(sum x^2 + 1e-6)
+//   jax_cake_gdn_l2norm_bwd(dy f32[T, HV, K], x [T, H, K], rstd f32[T, H] or f32[1])
+//       -> dx [T, H, K] in x's dtype:  d = sum_{j < HV/H} dy[:, h HV/H + j]  (the GVA group sum),
+//          dx = rstd (d - (d . y) y) with y = x rstd  (no L2 norm: dx = d)
 //
-// One warp per row; f32 sum in a fixed order (lane-strided partial sums, then a butterfly), so it
-// is deterministic. Any K.
+// One warp per row; f32 sums in a fixed order (lane-strided partial sums, then a butterfly), so
+// both are deterministic. rstd: any K; l2norm_bwd: K in {64, 128}.
+#include "fwd_args.cuh"
 #include "fwd_common.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_l2norm_rstd"
@@ -56,6 +60,91 @@ ffi::Error l2norm_rstd_impl(cudaStream_t stream, ffi::AnyBuffer x,
   return ffi::Error::Success();
 }
 
+#undef JCG_HANDLER_NAME
+#define JCG_HANDLER_NAME "jax_cake_gdn_l2norm_bwd"
+
+// Row (t, h): lane l holds elements l + 32 i, i < K / 32 (coalesced 128-byte accesses).
+template <typename In, int K>
+__global__ void __launch_bounds__(kL2Threads)
+    l2norm_bwd_kernel(const float* __restrict__ dy, const In* __restrict__ x,
+                      const float* __restrict__ rstd,  // nullable
+                      In* __restrict__ dx, int64_t rows, int H, int group) {
+  constexpr int E = K / 32;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kL2Threads / 32) + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int64_t t = row / H;
+  const int h = static_cast<int>(row - t * H);
+  const float* src = dy + (t * H * group + int64_t{h} * group) * K + lane;
+  float d[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) d[i] = src[32 * i];
+  for (int j = 1; j < group; ++j) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) d[i] += src[int64_t{j} * K + 32 * i];
+  }
+  In* out = dx + row * K + lane;
+  if (rstd != nullptr) {
+    const float r = rstd[row];
+    const In* xr = x + row * K + lane;
+    float y[E], s = 0.f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      y[i] = static_cast<float>(xr[32 * i]) * r;
+      s = fmaf(d[i], y[i], s);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+#pragma unroll
+    for (int i = 0; i < E; ++i) d[i] = r * (d[i] - s * y[i]);
+  }
+#pragma unroll
+  for (int i = 0; i < E; ++i) out[32 * i] = static_cast<In>(d[i]);
+}
+
+ffi::Error l2norm_bwd_impl(cudaStream_t stream, ffi::Buffer<ffi::F32> dy, ffi::AnyBuffer x,
+                           ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx) {
+  const auto xd = x.dimensions();
+  JCG_CHECK_ARG(xd.size() == 3, "x must be [T, H, K], got shape " + dims_str(xd));
+  JCG_CHECK_ARG(x.element_type() == ffi::DataType::BF16 || x.element_type() == ffi::DataType::F32,
+                std::string("x must be bfloat16 or float32, got ") + dtype_name(x.element_type()));
+  const int64_t T = xd[0], H = xd[1], K = xd[2];
+  JCG_CHECK_ARG(head_dim_supported(K), "K must be 64 or 128, got " + std::to_string(K));
+  const auto dd = dy.dimensions();
+  JCG_CHECK_ARG(dd.size() == 3 && dd[0] == T && dd[2] == K,
+                "dy must be f32[T, HV, K] with T = " + std::to_string(T) + ", K = " +
+                    std::to_string(K) + ", got shape " + dims_str(dd));
+  const int64_t HV = dd[1];
+  JCG_CHECK_MSG(check_heads(H, HV));
+  bool has_rstd = false;
+  JCG_CHECK_MSG(check_rstd("rstd", rstd.dimensions(), T, H, has_rstd));
+  JCG_CHECK_ARG(dx->element_type() == x.element_type() && dims_are(dx->dimensions(), {T, H, K}),
+                "dx must have x's dtype and shape [T, H, K], got " +
+                    std::string(dtype_name(dx->element_type())) + " " +
+                    dims_str(dx->dimensions()));
+  JCG_CHECK_CUDA(poison(stream, *dx));
+  const int64_t rows = T * H;
+  if (rows == 0) return ffi::Error::Success();
+  JCG_CHECK_ARG(rows / (kL2Threads / 32) < (int64_t{1} << 31), "T * H too large");
+  cudaError_t err = cudaSuccess;
+  dispatch_float_type(x.element_type(), [&](auto tag) {
+    using In = typename decltype(tag)::type;
+    dispatch_head_dim(K, [&](auto kdim) {
+      constexpr int KD = decltype(kdim)::value;
+      l2norm_bwd_kernel<In, KD><<<ceil_div(rows, kL2Threads / 32), kL2Threads, 0, stream>>>(
+          dy.typed_data(), static_cast<const In*>(x.untyped_data()),
+          has_rstd ? rstd.typed_data() : static_cast<const float*>(nullptr),
+          static_cast<In*>(dx->untyped_data()), rows, static_cast<int>(H),
+          static_cast<int>(HV / H));
+      err = cudaGetLastError();
+    });
+  });
+  JCG_CHECK_CUDA(err);
+  return ffi::Error::Success();
+}
+
+#undef JCG_HANDLER_NAME
+
 }  // namespace
 }  // namespace jax_cake_gdn
 
@@ -64,4 +153,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_l2norm_rstd, jax_cake_gdn::l2norm_rst
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()               // x
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // rstd
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_l2norm_bwd, jax_cake_gdn::l2norm_bwd_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dy
+                                  .Arg<xla::ffi::AnyBuffer>()              // x
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd
+                                  .Ret<xla::ffi::AnyBuffer>(),             // dx
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,15 +1,20 @@
 // The intra-chunk WY prep (DESIGN.md section 1), one CTA of 4 warps per (chunk, value head),
 // value heads of one chunk adjacent in the (1-D) grid so GVA heads share k through L2:
 //
-//   solve_a:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A f32[NC, HV, 64, 64]
-//   wy:       w = A diag(beta e^G) K -> f32[T, HV, K],  u = A diag(beta) V -> f32[T, HV, V]
+//   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A f32[NC, HV, 64, 64]
+//          w = A diag(beta e^G) K -> f32[T, HV, K],  u = A diag(beta) V -> f32[T, HV, V]
+//   wy:    w and u from a given A (the light backward's replay reads the saved A)
 //
 // k (normalised by rstd_k when given) and v are rounded to bf16 in shared memory; K K^T, A Kb and
 // A Vb run on tensor cores (mma.sync m16n8k16, f32 accumulate; warp w owns rows 16w..16w+15).
-// Tiles come in with batched loads (load_tile_bf16: 4-8 16/32-byte loads in flight per thread).
-// The 64x64 unit-lower inverse is f32: the four 16x16 diagonal blocks by forward substitution
-// (one thread per column), then the off-diagonal blocks by distance d = 1, 2, 3:
-//   A_ij = -A_ii sum_{k=j}^{i-1} L_ik A_kj.
+// prep and wy build w and u with the same code from the same bf16 values (wy_load_tiles,
+// wy_store), so prep's w, u equal wy's on prep's A bit for bit (light == full in the backward).
+//
+// The 64x64 unit-lower inverse (prep): warp b solves its diagonal 16x16 block by forward
+// substitution (one lane per column), then the off-diagonal blocks go by distance d = 1, 2, 3:
+//   A_ij = -A_ii sum_{k=j}^{i-1} L_ik A_kj      (warp i computes block (i, i - d))
+// on tensor cores with f32 operands split as x = hi + lo (bf16 each), hi*hi + hi*lo + lo*hi
+// accumulated in f32 (mma3). L_ik comes from the warp's own K K^T accumulators (registers).
 // Padding rows (t >= len) have k = 0 and beta = 0, so A is the identity there, as in xla.py;
 // an unused chunk (len 0) gets A = I and writes no token rows.
 // GVA: value head hv reads k head hv / (HV / H).
@@ -21,134 +26,43 @@ namespace jax_cake_gdn {
 
 constexpr int kPrepThreads = 128;
 
-template <int K>
-struct SolveASmem {
-  static constexpr int KP = K + 8;  // bf16 row pitch of the k tile
-  static constexpr int LP = 65;     // f32 row pitch of L and A
-  static constexpr size_t kK = size_t{kChunk} * KP * sizeof(bf16);
-  static constexpr size_t kL = size_t{kChunk} * LP * sizeof(float);
-  static constexpr size_t kT = size_t{3} * 16 * 17 * sizeof(float);
-  static constexpr size_t bytes = kK + 2 * kL + kT + 2 * kChunk * sizeof(float);
-};
+// ---------------------------------------------------------------- w, u (shared by wy and prep)
 
-template <typename In, int K>
-__global__ void __launch_bounds__(kPrepThreads)
-    solve_a_kernel(const In* __restrict__ k, const float* __restrict__ beta,
-                   const float* __restrict__ G, const float* __restrict__ rstd,  // nullable
-                   const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-                   float* __restrict__ A, int64_t num_tokens, int H, int HV) {
-  using Sm = SolveASmem<K>;
-  constexpr int KP = Sm::KP, LP = Sm::LP;
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem);
-  float* Ls = reinterpret_cast<float*>(smem + Sm::kK);
-  float* As = Ls + kChunk * LP;
-  float* Ts = As + kChunk * LP;  // [3][16][17] scratch of the off-diagonal stage
-  float* sb = Ts + 3 * 16 * 17;  // beta (0 on padding rows)
-  float* sg = sb + kChunk;       // G (G of the last row on padding rows)
+constexpr int kWyXP = 128 + 8;  // bf16 pitch of the k / v tiles of w and u (D <= 128)
 
-  const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
-  const int hk = hv / (HV / H);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-  const int len = cs.len;
-
-  if (len > 0) {
-    load_tile_bf16<kChunk, K, 8, kPrepThreads>(Ks, KP, k + hk * K + cs.start * H * K,
-                                               int64_t{H} * K, len,
-                                               ScaleRstd{rstd, cs.start, H, hk});
-  } else {
-    for (int idx = tid; idx < kChunk * (K / 8); idx += kPrepThreads)
-      sts8_zero(Ks + (idx / (K / 8)) * KP + (idx % (K / 8)) * 8);
-  }
-  if (tid < kChunk) {
-    const int t = tid;
-    const int tl = min(t, len - 1);
-    sg[t] = len > 0 ? G[(cs.start + tl) * HV + hv] : 0.f;
-    sb[t] = t < len ? beta[(cs.start + t) * HV + hv] : 0.f;
-  }
-  __syncthreads();
-
-  // K K^T for this warp's 16 rows x 64 columns, then L (strictly lower) into Ls.
-  {
-    constexpr int KS = K / 16;
-    uint32_t a[KS][4];
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) lda_rm(a[ks], Ks + (16 * warp) * KP + 16 * ks, KP);
-    float acc[8][4];
-    zero_acc(acc);
-    mma_rt<KS, 8>(acc, a, Ks, KP);
-    const int g = lane >> 2, q = lane & 3;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
-        Ls[i * LP + j] = i > j ? sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e] : 0.f;
-      }
-    }
-  }
-  __syncthreads();
-
-  // Diagonal 16x16 blocks: thread (b, col) solves column col of (I + L_bb) x = e_col.
-  if (tid < kChunk) {
-    const int b = tid >> 4, col = tid & 15;
-    const float* Lb = Ls + (16 * b) * LP + 16 * b;
-    float x[16];
-#pragma unroll
-    for (int r = 0; r < 16; ++r) {
-      float s = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < r; ++kk) s = fmaf(Lb[r * LP + kk], x[kk], s);
-      x[r] = r == col ? 1.f : (r < col ? 0.f : -s);
-    }
-    float* Ab = As + (16 * b) * LP + 16 * b + col;
-#pragma unroll
-    for (int r = 0; r < 16; ++r) Ab[r * LP] = x[r];
-  }
-  __syncthreads();
-
-  // Off-diagonal blocks, by distance d = i - j.
-  for (int d = 1; d < 4; ++d) {
-    const int nelem = (4 - d) * 256;
-    for (int e = tid; e < nelem; e += kPrepThreads) {
-      const int blk = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-      const int bi = d + blk, bj = bi - d;
-      const float* Lrow = Ls + (16 * bi + r) * LP;
-      const float* Acol = As + 16 * bj + cc;
-      float s = 0.f;
-      for (int kk = 16 * bj; kk < 16 * bi; ++kk) s = fmaf(Lrow[kk], Acol[kk * LP], s);
-      Ts[(blk * 16 + r) * 17 + cc] = s;
-    }
-    __syncthreads();
-    for (int e = tid; e < nelem; e += kPrepThreads) {
-      const int blk = e >> 8, r = (e >> 4) & 15, cc = e & 15;
-      const int bi = d + blk, bj = bi - d;
-      const float* Arow = As + (16 * bi + r) * LP + 16 * bi;
-      float s = 0.f;
-#pragma unroll
-      for (int x = 0; x < 16; ++x) s = fmaf(Arow[x], Ts[(blk * 16 + x) * 17 + cc], s);
-      As[(16 * bi + r) * LP + 16 * bj + cc] = -s;
-    }
-    __syncthreads();
-  }
-
-  float* out = A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
-#pragma unroll 4
-  for (int e = tid; e < kChunk * kChunk; e += kPrepThreads) {
-    const int i = e >> 6, j = e & 63;
-    out[e] = (j >> 4) > (i >> 4) ? 0.f : As[i * LP + j];
-  }
-}
-
-template <int K>
 struct WySmem {
   static constexpr int AP = kChunk + 8;  // bf16 pitch of A
-  static constexpr int XP = 128 + 8;     // bf16 pitch of the k / v tile (D <= 128)
   static constexpr size_t kA = size_t{kChunk} * AP * sizeof(bf16);
-  static constexpr size_t kX = size_t{kChunk} * XP * sizeof(bf16);
+  static constexpr size_t kX = size_t{kChunk} * kWyXP * sizeof(bf16);
   static constexpr size_t bytes = kA + 2 * kX;
 };
+
+// Ks = k diag(beta e^G rstd), Vs = v diag(beta) as bf16 tiles (pitch kWyXP). cs.len >= 1.
+template <typename In, int K>
+__device__ __forceinline__ void wy_load_tiles(bf16* Ks, bf16* Vs, const In* __restrict__ k,
+                                              const In* __restrict__ v,
+                                              const float* __restrict__ beta,
+                                              const float* __restrict__ G,
+                                              const float* __restrict__ rstd, ChunkSpan cs,
+                                              int hv, int hk, int H, int HV, int V) {
+  constexpr int XP = kWyXP;
+  const float* bt = beta + cs.start * HV + hv;
+  const float* gt = G + cs.start * HV + hv;
+  {
+    const ScaleRstd rs{rstd, cs.start, H, hk};
+    load_tile_bf16<kChunk, K, 8, kPrepThreads>(
+        Ks, XP, k + hk * K + cs.start * H * K, int64_t{H} * K, cs.len, [&](int t) {
+          return __ldg(bt + t * HV) * __expf(__ldg(gt + t * HV)) * rs(t);
+        });
+  }
+  const auto sv = [&](int t) { return __ldg(bt + t * HV); };
+  const In* vsrc = v + int64_t{hv} * V + cs.start * HV * V;
+  if (V == 64) {
+    load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, XP, vsrc, int64_t{HV} * V, cs.len, sv);
+  } else {
+    load_tile_bf16<kChunk, 128, 8, kPrepThreads>(Vs, XP, vsrc, int64_t{HV} * V, cs.len, sv);
+  }
+}
 
 // acc = A (this warp's 16 rows) x X[:, 64p : 64p + 64]; rows < len go to out (f32, token-major).
 __device__ __forceinline__ void wy_panels(const uint32_t (&a)[4][4], const bf16* Xs, int xp,
@@ -171,6 +85,16 @@ __device__ __forceinline__ void wy_panels(const uint32_t (&a)[4][4], const bf16*
   }
 }
 
+// w = A Ks, u = A Vs for this warp's rows (a: its bf16 A fragments, 4 k-steps).
+__device__ __forceinline__ void wy_store(const uint32_t (&a)[4][4], const bf16* Ks,
+                                         const bf16* Vs, float* __restrict__ w,
+                                         float* __restrict__ u, ChunkSpan cs, int hv, int HV,
+                                         int K, int V) {
+  constexpr int XP = kWyXP;
+  wy_panels(a, Ks, XP, K, w + int64_t{hv} * K, cs.start, int64_t{HV} * K, cs.len);
+  wy_panels(a, Vs, XP, V, u + int64_t{hv} * V, cs.start, int64_t{HV} * V, cs.len);
+}
+
 template <typename In, int K>
 __global__ void __launch_bounds__(kPrepThreads)
     wy_kernel(const In* __restrict__ k, const In* __restrict__ v, const float* __restrict__ beta,
@@ -179,8 +103,8 @@ __global__ void __launch_bounds__(kPrepThreads)
               const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
               float* __restrict__ w, float* __restrict__ u, int64_t num_tokens, int H, int HV,
               int V) {
-  using Sm = WySmem<K>;
-  constexpr int AP = Sm::AP, XP = Sm::XP;
+  using Sm = WySmem;
+  constexpr int AP = Sm::AP;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* As = reinterpret_cast<bf16*>(smem);
   bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::kA);
@@ -188,37 +112,240 @@ __global__ void __launch_bounds__(kPrepThreads)
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
   const int hk = hv / (HV / H);
-  const int tid = threadIdx.x, warp = tid >> 5;
+  const int warp = threadIdx.x >> 5;
   const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-  const int len = cs.len;
-  if (len == 0) return;  // no token rows to write
+  if (cs.len == 0) return;  // no token rows to write
 
-  const float* bt = beta + cs.start * HV + hv;
-  const float* gt = G + cs.start * HV + hv;
-  // A (f32), k diag(beta e^G rstd) and v diag(beta) -> bf16 tiles
+  // A (f32) -> bf16 tile; k, v -> scaled bf16 tiles
   load_tile_bf16<kChunk, kChunk, 4, kPrepThreads>(
       As, AP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk,
       ScaleOne{});
-  {
-    const ScaleRstd rs{rstd, cs.start, H, hk};
-    load_tile_bf16<kChunk, K, 8, kPrepThreads>(
-        Ks, XP, k + hk * K + cs.start * H * K, int64_t{H} * K, len, [&](int t) {
-          return __ldg(bt + t * HV) * __expf(__ldg(gt + t * HV)) * rs(t);
-        });
-  }
-  const auto sv = [&](int t) { return __ldg(bt + t * HV); };
-  const In* vsrc = v + int64_t{hv} * V + cs.start * HV * V;
-  if (V == 64) {
-    load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, XP, vsrc, int64_t{HV} * V, len, sv);
-  } else {
-    load_tile_bf16<kChunk, 128, 8, kPrepThreads>(Vs, XP, vsrc, int64_t{HV} * V, len, sv);
-  }
+  wy_load_tiles<In, K>(Ks, Vs, k, v, beta, G, rstd, cs, hv, hk, H, HV, V);
   __syncthreads();
   uint32_t a[4][4];
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) lda_rm(a[ks], As + (16 * warp) * AP + 16 * ks, AP);
-  wy_panels(a, Ks, XP, K, w + int64_t{hv} * K, cs.start, int64_t{HV} * K, len);
-  wy_panels(a, Vs, XP, V, u + int64_t{hv} * V, cs.start, int64_t{HV} * V, len);
+  wy_store(a, Ks, Vs, w, u, cs, hv, HV, K, V);
+}
+
+// ---------------------------------------------------------------- prep: A, then w and u
+
+// x = hi + lo, each a bf16 pair (x0 in the low half), for near-f32 products on tensor cores.
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = pack_bf16(x0 - hf.x, x1 - hf.y);
+}
+
+// Split A fragment of the 16 x 16 f32 row-major tile at p (pitch ld).
+__device__ __forceinline__ void split_a(const float* p, int ld, uint32_t (&hi)[4],
+                                        uint32_t (&lo)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // r: a0 (g, 2q), a1 (g+8, 2q), a2 (g, 8+2q), a3 (g+8, 8+2q)
+    const float2 x = *reinterpret_cast<const float2*>(p + (g + 8 * (r & 1)) * ld + 8 * (r >> 1) +
+                                                      2 * q);
+    split2(x.x, x.y, hi[r], lo[r]);
+  }
+}
+
+// acc[16 x 16] += A (split fragment) * B, B the 16 x 16 f32 row-major tile at p (pitch ld), in
+// three bf16 products: lo*hi + hi*lo + hi*hi.
+__device__ __forceinline__ void mma3(float (&acc)[2][4], const uint32_t (&ahi)[4],
+                                     const uint32_t (&alo)[4], const float* p, int ld) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    uint32_t bhi[2], blo[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // b0: k = 2q, 2q+1; b1: k = 8+2q, 9+2q; n = g
+      const float* x = p + (2 * q + 8 * r) * ld + 8 * nt + g;
+      split2(x[0], x[ld], bhi[r], blo[r]);
+    }
+    mma_bf16(acc[nt], alo, bhi[0], bhi[1]);
+    mma_bf16(acc[nt], ahi, blo[0], blo[1]);
+    mma_bf16(acc[nt], ahi, bhi[0], bhi[1]);
+  }
+}
+
+// Store a 16 x 16 f32 C tile (2 n-tiles) times s at p (pitch ld, even).
+__device__ __forceinline__ void store_c16(float* p, int ld, const float (&c)[2][4], float s) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    *reinterpret_cast<float2*>(p + g * ld + 8 * nt + 2 * q) =
+        make_float2(s * c[nt][0], s * c[nt][1]);
+    *reinterpret_cast<float2*>(p + (g + 8) * ld + 8 * nt + 2 * q) =
+        make_float2(s * c[nt][2], s * c[nt][3]);
+  }
+}
+
+template <int K>
+struct PrepSmem {
+  static constexpr int KP = K + 8;   // bf16 pitch of the rstd-scaled k tile (K K^T)
+  static constexpr int AP = 72;      // f32 pitch of A (float2 fragment loads conflict free)
+  static constexpr size_t kKr = size_t{kChunk} * KP * sizeof(bf16);
+  static constexpr size_t kAf = size_t{kChunk} * AP * sizeof(float);
+  static constexpr size_t kA = kKr > kAf ? kKr : kAf;  // the k tile, then A (after K K^T)
+  static constexpr size_t kX = WySmem::kX;
+  static constexpr size_t bytes = kA + 2 * kX + 2 * kChunk * sizeof(float);
+};
+
+// Warp w's 16 x 16 f32 scratch (pitch AP) inside A's upper triangle, which is never stored:
+// blocks (0, 1), (0, 2), (0, 3), (1, 2).
+__device__ __forceinline__ int prep_scratch(int warp, int ap) {
+  return warp < 3 ? 16 * (warp + 1) : 16 * ap + 32;
+}
+
+// A of one (chunk, head) to out (f32 64 x 64, row-major): the lower blocks of As (pitch ap),
+// zero above them; As == nullptr: the identity.
+__device__ __forceinline__ void prep_write_a(float* __restrict__ out, const float* As, int ap) {
+#pragma unroll 4
+  for (int e = threadIdx.x; e < kChunk * kChunk / 4; e += kPrepThreads) {
+    const int i = e >> 4, j = (e & 15) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (As == nullptr) {
+      x = make_float4(i == j, i == j + 1, i == j + 2, i == j + 3);
+    } else if ((j >> 4) <= (i >> 4)) {
+      x = *reinterpret_cast<const float4*>(As + i * ap + j);
+    }
+    reinterpret_cast<float4*>(out)[e] = x;
+  }
+}
+
+template <typename In, int K>
+__global__ void __launch_bounds__(kPrepThreads)
+    prep_kernel(const In* __restrict__ k, const In* __restrict__ v,
+                const float* __restrict__ beta, const float* __restrict__ G,
+                const float* __restrict__ rstd,  // nullable
+                const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
+                float* __restrict__ A, float* __restrict__ w, float* __restrict__ u,
+                int64_t num_tokens, int H, int HV, int V) {
+  using Sm = PrepSmem<K>;
+  constexpr int KP = Sm::KP, AP = Sm::AP;
+  extern __shared__ __align__(16) unsigned char smem[];
+  bf16* Kr = reinterpret_cast<bf16*>(smem);  // k diag(rstd), until K K^T is done
+  float* As = reinterpret_cast<float*>(smem);  // then A (f32)
+  bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::kA);
+  bf16* Vs = reinterpret_cast<bf16*>(smem + Sm::kA + Sm::kX);
+  float* sb = reinterpret_cast<float*>(smem + Sm::kA + 2 * Sm::kX);  // beta (0 on padding rows)
+  float* sg = sb + kChunk;  // G (G of the last row on padding rows)
+
+  const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
+  const int hk = hv / (HV / H);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+  const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+  const int len = cs.len;
+  float* Aout = A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+  if (len == 0) {  // unused chunk: A = I, no token rows
+    prep_write_a(Aout, nullptr, AP);
+    return;
+  }
+
+  load_tile_bf16<kChunk, K, 8, kPrepThreads>(Kr, KP, k + hk * K + cs.start * H * K,
+                                             int64_t{H} * K, len,
+                                             ScaleRstd{rstd, cs.start, H, hk});
+  wy_load_tiles<In, K>(Ks, Vs, k, v, beta, G, rstd, cs, hv, hk, H, HV, V);
+  if (tid < kChunk) {
+    const int t = tid;
+    sg[t] = G[(cs.start + min(t, len - 1)) * HV + hv];
+    sb[t] = t < len ? beta[(cs.start + t) * HV + hv] : 0.f;
+  }
+  __syncthreads();
+
+  // K K^T for this warp's 16 rows x 64 columns, 64 k at a time.
+  float acc[8][4];
+  zero_acc(acc);
+#pragma unroll
+  for (int h = 0; h < K / 64; ++h) {
+    uint32_t a[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) lda_rm(a[ks], Kr + (16 * warp) * KP + 64 * h + 16 * ks, KP);
+    mma_rt<4, 8>(acc, a, Kr + 64 * h, KP);
+  }
+  __syncthreads();  // Kr is dead: its bytes become A
+
+  // acc -> L (strictly lower); the diagonal block to scratch; L_{w, s} (s < w) as split A
+  // fragments (C fragment pair 2s, 2s+1 = A fragment of k-step s).
+  float* scr = As + prep_scratch(warp, AP);
+  uint32_t lhi[3][4], llo[3][4];
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
+      acc[nt][e] = i > j ? sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e] : 0.f;
+    }
+    if ((nt >> 1) == warp) {
+      const int col = 8 * (nt & 1) + 2 * q;
+      *reinterpret_cast<float2*>(scr + g * AP + col) = make_float2(acc[nt][0], acc[nt][1]);
+      *reinterpret_cast<float2*>(scr + (g + 8) * AP + col) = make_float2(acc[nt][2], acc[nt][3]);
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 3; ++s) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // a0 = c[2s][0..1], a1 = c[2s][2..3], a2, a3 from 2s + 1
+      const float* x = acc[2 * s + (r >> 1)] + 2 * (r & 1);
+      split2(x[0], x[1], lhi[s][r], llo[s][r]);
+    }
+  }
+  __syncwarp();
+
+  // Diagonal block: lane col < 16 solves column col of (I + L_ww) x = e_col.
+  float* Aww = As + (16 * warp) * AP + 16 * warp;
+  if (lane < 16) {
+    const int col = lane;
+    float x[16];
+#pragma unroll
+    for (int r = 0; r < 16; ++r) {
+      float s = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < r; ++kk) s = fmaf(scr[r * AP + kk], x[kk], s);
+      x[r] = r == col ? 1.f : (r < col ? 0.f : -s);
+    }
+#pragma unroll
+    for (int r = 0; r < 16; ++r) Aww[r * AP + col] = x[r];
+  }
+  __syncwarp();
+  uint32_t dhi[4], dlo[4];  // A_ww, split
+  split_a(Aww, AP, dhi, dlo);
+  __syncthreads();
+
+  // Off-diagonal blocks by distance: warp i >= d computes A_{i, i-d}.
+  for (int d = 1; d < 4; ++d) {
+    if (warp >= d) {
+      const int j = warp - d;
+      float t[2][4] = {};
+#pragma unroll
+      for (int s = 0; s < 3; ++s)  // T = sum_{s=j}^{i-1} L_is A_sj
+        if (s >= j && s < warp) mma3(t, lhi[s], llo[s], As + (16 * s) * AP + 16 * j, AP);
+      store_c16(scr, AP, t, 1.f);
+      __syncwarp();
+      float x[2][4] = {};
+      mma3(x, dhi, dlo, scr, AP);  // A_ii T
+      __syncwarp();  // scr is rewritten in the next stage
+      store_c16(As + (16 * warp) * AP + 16 * j, AP, x, -1.f);
+    }
+    __syncthreads();
+  }
+
+  // A out (f32), and as bf16 A fragments (the values wy reads back) for w and u.
+  uint32_t a[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      float2 x = make_float2(0.f, 0.f);
+      if (ks <= warp)
+        x = *reinterpret_cast<const float2*>(As + (16 * warp + g + 8 * (r & 1)) * AP + 16 * ks +
+                                             8 * (r >> 1) + 2 * q);
+      a[ks][r] = pack_bf16(x.x, x.y);
+    }
+  }
+  prep_write_a(Aout, As, AP);
+  wy_store(a, Ks, Vs, w, u, cs, hv, HV, K, V);
 }
 
 }  // namespace jax_cake_gdn

@@ -16,6 +16,12 @@
 namespace jax_cake_gdn {
 namespace {
 
+// The V columns per CTA the dispatch picks (walk_bwd.cuh): all of V, but 64 for f32 at K = V = 128.
+static_assert(walk_bwd_vt<bf16, 128, 128>() == 128 && walk_bwd_vt<bf16, 64, 128>() == 128 &&
+                  walk_bwd_vt<float, 64, 128>() == 128 && walk_bwd_vt<float, 128, 128>() == 64 &&
+                  walk_bwd_vt<bf16, 128, 64>() == 64 && walk_bwd_vt<float, 128, 64>() == 64,
+              "walk_bwd: unexpected VT choice");
+
 ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
                          ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::F32> scores,
@@ -49,7 +55,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
                                seg_len.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
-  JCG_CHECK_ARG(S * HV * (V / kWbVT) < (int64_t{1} << 31), "S * HV too large");
+  JCG_CHECK_ARG(S * HV * (V / 64) < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(dfinal.dimensions(), {S, HV, K, V}),
                 "dfinal must be f32[S, HV, K, V], got shape " + dims_str(dfinal.dimensions()));
   const auto scd = scores.dimensions();
@@ -69,19 +75,23 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
     using In = typename decltype(tag)::type;
     dispatch_head_dim(K, [&](auto kdim) {
       constexpr int KD = decltype(kdim)::value;
-      const dim3 grid(static_cast<unsigned>(S * HV * (V / kWbVT)));
-      err = launch(walk_bwd_kernel<In, KD>, grid, kWbThreads,
-                   WalkBwdSmem<In, KD>::bytes(has_scores), stream,
-                   static_cast<const In*>(q.untyped_data()),
-                   static_cast<const In*>(k.untyped_data()), w.typed_data(), G.typed_data(),
-                   static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
-                   has_scores ? scores.typed_data() : static_cast<const float*>(nullptr),
-                   has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
-                   has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                   chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                   seg_last.typed_data(), seg_len.typed_data(), dS_end->typed_data(),
-                   dh0->typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
-                   static_cast<int>(V), static_cast<int>(NC), scale);
+      dispatch_head_dim(V, [&](auto vdim) {
+        // VT = V (one CTA per (segment, head)), except f32 at K = V = 128: VT = 64 (walk_bwd.cuh)
+        constexpr int VT = walk_bwd_vt<In, KD, decltype(vdim)::value>();
+        const dim3 grid(static_cast<unsigned>(S * HV * (V / VT)));
+        err = launch(walk_bwd_kernel<In, KD, VT>, grid, wb_threads<VT>(),
+                     WalkBwdSmem<In, KD, VT>::bytes(has_scores), stream,
+                     static_cast<const In*>(q.untyped_data()),
+                     static_cast<const In*>(k.untyped_data()), w.typed_data(), G.typed_data(),
+                     static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
+                     has_scores ? scores.typed_data() : static_cast<const float*>(nullptr),
+                     has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
+                     has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                     chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
+                     seg_last.typed_data(), seg_len.typed_data(), dS_end->typed_data(),
+                     dh0->typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
+                     static_cast<int>(V), static_cast<int>(NC), scale);
+      });
     });
   });
   JCG_CHECK_CUDA(err);

@@ -1,5 +1,6 @@
-// The backward state walk (primitives/xla.py: walk_bwd). Per segment, value head and 64-wide V
-// tile, walk the segment's chunks in REVERSE order with the state gradient dS (K x V tile, f32):
+// The backward state walk (primitives/xla.py: walk_bwd). Per segment and value head (and, for
+// the one instantiation whose shared memory does not allow all V columns, per 64-wide V tile),
+// walk the segment's chunks in REVERSE order with the state gradient dS (K x VT, f32):
 //
 //   dS_end[c] = dfinal[seg] on the segment's last chunk, else dS_in[c + 1]
 //   dv_local  = scale Att^T dO                          Att = Gam o (Q K^T), or the saved scores
@@ -7,14 +8,21 @@
 //   dS_in     = scale (Q e^G)^T dO + e^{G_C} dS_end - w^T dvn
 //   dh0[seg]  = dS_in of the first chunk (dfinal[seg] for an empty segment)
 //
-// One CTA of 4 warps per (segment, value head, V tile of 64), exactly as the forward walk
-// (state_walk.cuh): dS lives in registers as dS^T, warp wv owning value columns 16wv..16wv+15 of
-// the tile and all K rows, as m16n8 accumulator fragments (K / 8 of them). A C fragment of dS^T
-// is a B fragment of dS, so `Kd dS` takes dS from registers (rounded to bf16 per chunk; the f32
-// state is kept). Per chunk (all mma.sync m16n8k16, bf16 in, f32 accumulate):
-//   Att (recompute mode): warp w computes rows 16w.. of Q K^T, gates them with exp(G_i - G_j)
-//       (i >= j only; never e^{-G}) and writes bf16 Att to shared memory (scores mode: the saved
-//       f32 scores are converted instead);
+// One CTA of VT / 16 warps (2 VT threads, wb_threads) per (segment, value head, VT columns of
+// V). The dispatch (walk_bwd.cu, walk_bwd_vt) runs VT = V, one CTA per (segment, head)
+// covering all V columns (V = 128: 8 warps, 256 threads; V = 64: 4 warps, 128 threads), except
+// f32 inputs at K = V = 128, whose shared memory at VT = 128 (240 KB) is over the 227 KB a CTA
+// may have: that instantiation keeps VT = 64 (two 4-warp CTAs per (segment, head), as v0).
+// dS lives in registers as dS^T, warp wv owning value columns 16wv..16wv+15 of the CTA's VT and
+// all K rows, as m16n8 accumulator fragments (K / 8 of them). A C fragment of dS^T is a B
+// fragment of dS, so `Kd dS` takes dS from registers (rounded to bf16 per chunk; the f32 state is
+// kept). The w, q, k, G, rstd (and scores) staging, the bf16 Q, K, W tiles and Att are loaded /
+// computed once per CTA and shared by all its warps; the dO staging and the dOs, dOg, Dvn tiles
+// are 64 x VT. Per chunk (all mma.sync m16n8k16, bf16 in, f32 accumulate):
+//   Att (recompute mode): warp w computes rows 16 (w % 4).., columns 32 (w / 4).. (8 warps;
+//       4 warps: all 64 columns) of Q K^T via chunk_scores_part (output.cuh: gated with
+//       exp(G_i - G_j), i >= j only, never e^{-G}) and writes bf16 Att to a shared tile (scores
+//       mode: the saved f32 scores are converted instead);
 //   dv_local[64 x 16] = Att^T dOs                       (A: Att^T by ldmatrix.trans)
 //   dvn[64 x 16]      = dv_local + diag(e^{G_C - G}) (Ks dS)   (A: K from smem, B: registers)
 //   dS^T[16 x K]      = e^{G_C} dS^T + dOg^T Qs - dvn^T Ws     (dOg = scale e^G dO, dOs = scale dO)
@@ -24,28 +32,55 @@
 // staging buffers with cp.async while chunk c computes; the staging is converted to bf16 operand
 // tiles at the top of each chunk.
 //
+// Every element is computed with the same bf16 roundings and the same mma accumulation order
+// whatever VT is (which warp computes an Att element, or how many V columns a CTA covers, does not
+// change its operands or its mma sequence), so VT = V gives results bitwise equal to the v0
+// kernel's VT = 64 (barring compiler contraction differences), and recomputed and saved scores
+// still agree bit for bit. (Checked in the PTX: the sequence of f32, bf16-convert and mma
+// instructions of the VT = 64 instantiations is the v0 kernel's, and VT = 128's is VT = 64's
+// without the half of the Att products and gates that the other column group's warps now do.)
+//
+// Cost (ptxas -v, sm_90a, nvcc 13.0, CMakeLists.txt flags; no spills, no stack frame, 1 barrier;
+// dynamic shared memory without / with saved scores; 1 CTA per SM except K = V = 64 bf16 without
+// scores, 2):
+//   K = V = 128, bf16, VT = 128 (8 warps):  250 registers, 192 / 208 KB (dO staging 16 KB; dOs,
+//       dOg, Dvn 17 KB each; Q, K, W tiles 17 KB each; Att 9 KB): 8 warps per SM
+//   K = V = 128, f32,  VT = 64  (4 warps):  251 registers, 200 / 216 KB: 4 warps per SM
+//       (at VT = 128 it would need 240 / 256 KB)
+//   K = 64, V = 128, VT = 128 (8 warps):    bf16 251 registers, 136 / 152 KB; f32 252, 168 / 184 KB
+//   V = 64, VT = 64 (4 warps):              K = 128: bf16 251 registers, 160 / 176 KB; f32 251,
+//       200 / 216 KB. K = 64: bf16 168, 104 / 120 KB; f32 165, 128 / 144 KB
+// (v0 ran every shape at VT = 64: K = V = 128 bf16 was 252 registers, 160 / 176 KB, two 4-warp
+// CTAs per (segment, head), 4 warps per SM, both recomputing Att and loading w, q, k.)
+//
 // Unused chunks (length 0, after every segment's chunks) get dS_end = 0, as the xla reverse scan
 // gives (its carry starts at zero there); the last used chunk's segment writes them, or segment 0
 // when no chunk is used at all.
 #pragma once
 
 #include "fwd_common.cuh"
+#include "output.cuh"  // chunk_scores_part
 
 namespace jax_cake_gdn {
 
-constexpr int kWbThreads = 128;
-constexpr int kWbVT = 64;  // V columns per CTA (4 warps x 16)
+// Threads of a walk_bwd CTA covering VT value columns (VT / 16 warps of 32).
+template <int VT>
+constexpr int wb_threads() {
+  return 2 * VT;
+}
 
-template <typename In, int K>
+template <typename In, int K, int VT>
 struct WalkBwdSmem {
   static constexpr int KP = K + 8;       // bf16 pitch of Qs, Ks, Ws
-  static constexpr int TP = kChunk + 8;  // bf16 pitch of the 64-wide tiles (dOs, dOg, Att, Dvn)
+  static constexpr int AP = kChunk + 8;  // bf16 pitch of the Att tile
+  static constexpr int OP = VT + 8;      // bf16 pitch of the VT-wide tiles (dOs, dOg, Dvn)
   static constexpr size_t kStW = size_t{kChunk} * K * sizeof(float);
   static constexpr size_t kStQK = size_t{kChunk} * K * sizeof(In);
-  static constexpr size_t kStO = size_t{kChunk} * kWbVT * sizeof(In);
+  static constexpr size_t kStO = size_t{kChunk} * VT * sizeof(In);
   static constexpr size_t kStG = 3 * kChunk * sizeof(float);  // G, rstd_q, rstd_k
   static constexpr size_t kBig = size_t{kChunk} * KP * sizeof(bf16);
-  static constexpr size_t kSmall = size_t{kChunk} * TP * sizeof(bf16);
+  static constexpr size_t kAtt = size_t{kChunk} * AP * sizeof(bf16);
+  static constexpr size_t kOT = size_t{kChunk} * OP * sizeof(bf16);
   static constexpr size_t kStA = size_t{kChunk} * kChunk * sizeof(float);  // scores staging
   static constexpr size_t oStQ = kStW;
   static constexpr size_t oStK = oStQ + kStQK;
@@ -55,19 +90,26 @@ struct WalkBwdSmem {
   static constexpr size_t oKs = oQs + kBig;
   static constexpr size_t oWs = oKs + kBig;
   static constexpr size_t oDOs = oWs + kBig;
-  static constexpr size_t oDOg = oDOs + kSmall;
-  static constexpr size_t oAtt = oDOg + kSmall;
-  static constexpr size_t oDvn = oAtt + kSmall;
-  static constexpr size_t oSG = oDvn + kSmall;
+  static constexpr size_t oDOg = oDOs + kOT;
+  static constexpr size_t oDvn = oDOg + kOT;
+  static constexpr size_t oAtt = oDvn + kOT;
+  static constexpr size_t oSG = oAtt + kAtt;
   static constexpr size_t oStA = oSG + kChunk * sizeof(float);
   static constexpr size_t bytes_no_scores = oStA;
   static constexpr size_t bytes_scores = oStA + kStA;
+  static constexpr bool fits = bytes_scores <= 227 * 1024;  // the sm_90 per-CTA limit
   static size_t bytes(bool has_scores) { return has_scores ? bytes_scores : bytes_no_scores; }
-  static_assert(bytes_scores <= 227 * 1024, "walk_bwd: shared memory over the sm_90 limit");
 };
 
-// dS^T fragment element (nt, e) of warp wv: value column v (in the tile) and key row k,
-// v = 16 wv + g + 8 (e / 2), k = 8 nt + 2 q + (e % 2). base at state[k = 0][tile column 0].
+// V columns per CTA for (In, K, V): all of V (one CTA per (segment, head)) where that fits in
+// shared memory, else 64 (only f32 inputs at K = V = 128).
+template <typename In, int K, int V>
+constexpr int walk_bwd_vt() {
+  return WalkBwdSmem<In, K, V>::fits ? V : 64;
+}
+
+// dS^T fragment element (nt, e) of warp wv: value column v (in the CTA's VT) and key row k,
+// v = 16 wv + g + 8 (e / 2), k = 8 nt + 2 q + (e % 2). base at state[k = 0][CTA column 0].
 template <int K>
 __device__ __forceinline__ void wb_state_rw(float (&S)[K / 8][4], float* base, int V, bool store) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
@@ -94,8 +136,8 @@ __device__ __forceinline__ void wb_state_zero(float* base, int V) {
   wb_state_rw<K>(Z, base, V, true);
 }
 
-template <typename In, int K>
-__global__ void __launch_bounds__(kWbThreads)
+template <typename In, int K, int VT>
+__global__ void __launch_bounds__(wb_threads<VT>())
     walk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k,
                     const float* __restrict__ w, const float* __restrict__ G,
                     const In* __restrict__ dout, const float* __restrict__ dfinal,
@@ -107,9 +149,13 @@ __global__ void __launch_bounds__(kWbThreads)
                     const int32_t* __restrict__ seg_len, float* __restrict__ dS_end,
                     float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
                     float scale) {
-  using Sm = WalkBwdSmem<In, K>;
-  constexpr int KP = Sm::KP, TP = Sm::TP;
+  static_assert(VT == 64 || VT == 128, "4 or 8 warps");
+  using Sm = WalkBwdSmem<In, K, VT>;
+  static_assert(Sm::fits, "walk_bwd: shared memory over the sm_90 limit");
+  constexpr int KP = Sm::KP, AP = Sm::AP, OP = Sm::OP;
   constexpr int KS = K / 16;
+  constexpr int kThreads = wb_threads<VT>();
+  static_assert(kThreads >= 2 * kChunk, "the G / rstd prefetch needs 2 x 64 threads");
   extern __shared__ __align__(16) unsigned char smem[];
   float* stW = reinterpret_cast<float*>(smem);
   In* stQ = reinterpret_cast<In*>(smem + Sm::oStQ);
@@ -123,16 +169,16 @@ __global__ void __launch_bounds__(kWbThreads)
   bf16* Ws = reinterpret_cast<bf16*>(smem + Sm::oWs);
   bf16* DOs = reinterpret_cast<bf16*>(smem + Sm::oDOs);
   bf16* DOg = reinterpret_cast<bf16*>(smem + Sm::oDOg);
-  bf16* Att = reinterpret_cast<bf16*>(smem + Sm::oAtt);
   bf16* Dvn = reinterpret_cast<bf16*>(smem + Sm::oDvn);
+  bf16* Att = reinterpret_cast<bf16*>(smem + Sm::oAtt);
   float* sG = reinterpret_cast<float*>(smem + Sm::oSG);
   float* stA = reinterpret_cast<float*>(smem + Sm::oStA);  // only when scores != nullptr
 
-  // 1-D grid as the forward walk: V tiles of one (segment, head) adjacent, then heads, then
-  // segments.
-  const int ntiles = V / kWbVT;
+  // 1-D grid as the forward walk: V tiles of one (segment, head) adjacent (1 tile when VT = V),
+  // then heads, then segments.
+  const int ntiles = V / VT;
   const int tile = blockIdx.x % ntiles, rest = blockIdx.x / ntiles;
-  const int hv = rest % HV, s = rest / HV, v0 = tile * kWbVT;
+  const int hv = rest % HV, s = rest / HV, v0 = tile * VT;
   const int hk = hv / (HV / H);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, qd = lane & 3;
   const int64_t state_stride = int64_t{K} * V;
@@ -156,12 +202,13 @@ __global__ void __launch_bounds__(kWbThreads)
     return;
   }
 
-  // Stream chunk c's w, q, k, dO tile, G, rstd (and scores) into staging (zero beyond its length).
+  // Stream chunk c's w, q, k, dO columns v0..v0+VT-1, G, rstd (and scores) into staging (zero
+  // beyond its length).
   auto prefetch = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     constexpr int kWv = K / 4;  // 16-byte pieces per w row
 #pragma unroll 4
-    for (int idx = tid; idx < kChunk * kWv; idx += kWbThreads) {
+    for (int idx = tid; idx < kChunk * kWv; idx += kThreads) {
       const int t = idx / kWv, c4 = (idx % kWv) * 4;
       const bool ok = t < cs.len;
       const float* src = ok ? w + ((cs.start + t) * HV + hv) * K + c4 : w;
@@ -170,25 +217,25 @@ __global__ void __launch_bounds__(kWbThreads)
     constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
     constexpr int kKv = K / kEl;
 #pragma unroll 4
-    for (int idx = tid; idx < kChunk * kKv; idx += kWbThreads) {
+    for (int idx = tid; idx < kChunk * kKv; idx += kThreads) {
       const int t = idx / kKv, ce = (idx % kKv) * kEl;
       const bool ok = t < cs.len;
       const int64_t off = ((cs.start + t) * H + hk) * K + ce;
       cp_async16(stQ + t * K + ce, ok ? q + off : q, ok);
       cp_async16(stK + t * K + ce, ok ? k + off : k, ok);
     }
-    constexpr int kOv = kWbVT / kEl;
+    constexpr int kOv = VT / kEl;
 #pragma unroll 4
-    for (int idx = tid; idx < kChunk * kOv; idx += kWbThreads) {
+    for (int idx = tid; idx < kChunk * kOv; idx += kThreads) {
       const int t = idx / kOv, ce = (idx % kOv) * kEl;
       const bool ok = t < cs.len;
       const In* src = ok ? dout + ((cs.start + t) * HV + hv) * V + v0 + ce : dout;
-      cp_async16(stO + t * kWbVT + ce, src, ok);
+      cp_async16(stO + t * VT + ce, src, ok);
     }
     if (scores != nullptr) {
       const float* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
 #pragma unroll 4
-      for (int idx = tid; idx < kChunk * kChunk / 4; idx += kWbThreads)
+      for (int idx = tid; idx < kChunk * kChunk / 4; idx += kThreads)
         cp_async16(stA + 4 * idx, sp + 4 * idx, true);
     }
     if (tid < kChunk) {
@@ -196,11 +243,10 @@ __global__ void __launch_bounds__(kWbThreads)
       cp_async4(stG + tid, ok ? G + (cs.start + tid) * HV + hv : G, ok);
       if (rstd_q != nullptr)
         cp_async4(stRq + tid, ok ? rstd_q + (cs.start + tid) * H + hk : rstd_q, ok);
-    } else {
+    } else if (rstd_k != nullptr && tid < 2 * kChunk) {  // (8 warps: threads >= 128 idle here)
       const int t = tid - kChunk;
       const bool ok = t < cs.len;
-      if (rstd_k != nullptr)
-        cp_async4(stRk + t, ok ? rstd_k + (cs.start + t) * H + hk : rstd_k, ok);
+      cp_async4(stRk + t, ok ? rstd_k + (cs.start + t) * H + hk : rstd_k, ok);
     }
     cp_async_commit();
   };
@@ -217,7 +263,7 @@ __global__ void __launch_bounds__(kWbThreads)
     {
       constexpr int kV8 = K / 8;
 #pragma unroll 2
-      for (int idx = tid; idx < kChunk * kV8; idx += kWbThreads) {
+      for (int idx = tid; idx < kChunk * kV8; idx += kThreads) {
         const int t = idx / kV8, c8 = (idx % kV8) * 8;
         float f[8];
         lds8(stW + t * K + c8, f);
@@ -227,22 +273,22 @@ __global__ void __launch_bounds__(kWbThreads)
         lds8(stK + t * K + c8, f);
         sts8_bf16(Ks + t * KP + c8, f, rstd_k != nullptr ? stRk[t] : 1.f);
       }
-      constexpr int kO8 = kWbVT / 8;
+      constexpr int kO8 = VT / 8;
 #pragma unroll 2
-      for (int idx = tid; idx < kChunk * kO8; idx += kWbThreads) {
+      for (int idx = tid; idx < kChunk * kO8; idx += kThreads) {
         const int t = idx / kO8, c8 = (idx % kO8) * 8;
         float f[8];
-        lds8(stO + t * kWbVT + c8, f);  // rows >= len are zero
-        sts8_bf16(DOs + t * TP + c8, f, scale);
-        sts8_bf16(DOg + t * TP + c8, f, scale * __expf(stG[t]));
+        lds8(stO + t * VT + c8, f);  // rows >= len are zero
+        sts8_bf16(DOs + t * OP + c8, f, scale);
+        sts8_bf16(DOg + t * OP + c8, f, scale * __expf(stG[t]));
       }
       if (scores != nullptr) {
 #pragma unroll 2
-        for (int idx = tid; idx < kChunk * 8; idx += kWbThreads) {
+        for (int idx = tid; idx < kChunk * 8; idx += kThreads) {
           const int t = idx / 8, c8 = (idx % 8) * 8;
           float f[8];
           lds8(stA + t * kChunk + c8, f);
-          sts8_bf16(Att + t * TP + c8, f, 1.f);
+          sts8_bf16(Att + t * AP + c8, f, 1.f);
         }
       }
       if (tid < kChunk) sG[tid] = tid < len ? stG[tid] : GC;  // padding rows: G = GC (as xla)
@@ -254,28 +300,21 @@ __global__ void __launch_bounds__(kWbThreads)
     wb_state_rw<K>(S, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
 
     if (scores == nullptr) {
-      // Att rows 16w.. = Gam o (Q K^T), bf16 into shared memory
-      float att[8][4];
-      zero_acc(att);
-      {
-        uint32_t qa[KS][4];
+      // This warp's part of Att = Gam o (Q K^T), bf16 into the shared tile: rows 16 (warp % 4)..,
+      // columns j0.. (4 warps: all 64; 8 warps: 32 each)
+      constexpr int kGroups = VT / 64, NTA = 8 / kGroups;  // column groups, n-tiles per warp
+      const int rw = warp % 4, j0 = (warp / 4) * (8 * NTA);
+      uint32_t qa[KS][4];
 #pragma unroll
-        for (int ks = 0; ks < KS; ++ks) lda_rm(qa[ks], Qs + (16 * warp) * KP + 16 * ks, KP);
-        mma_rt<KS, 8>(att, qa, Ks, KP);
-      }
-      const int i0 = 16 * warp + g, i1 = i0 + 8;
-      const float gi0 = sG[i0], gi1 = sG[i1];
+      for (int ks = 0; ks < KS; ++ks) lda_rm(qa[ks], Qs + (16 * rw) * KP + 16 * ks, KP);
+      float att[NTA][4];
+      chunk_scores_part<KS, NTA>(att, qa, Ks, KP, sG, rw, j0);
+      const int i0 = 16 * rw + g, i1 = i0 + 8;
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = (e >> 1) ? i1 : i0, j = 8 * nt + 2 * qd + (e & 1);
-          const float gi = (e >> 1) ? gi1 : gi0;
-          att[nt][e] = j <= i ? __expf(gi - sG[j]) * att[nt][e] : 0.f;
-        }
-        *reinterpret_cast<uint32_t*>(Att + i0 * TP + 8 * nt + 2 * qd) =
+      for (int nt = 0; nt < NTA; ++nt) {
+        *reinterpret_cast<uint32_t*>(Att + i0 * AP + j0 + 8 * nt + 2 * qd) =
             pack_bf16(att[nt][0], att[nt][1]);
-        *reinterpret_cast<uint32_t*>(Att + i1 * TP + 8 * nt + 2 * qd) =
+        *reinterpret_cast<uint32_t*>(Att + i1 * AP + j0 + 8 * nt + 2 * qd) =
             pack_bf16(att[nt][2], att[nt][3]);
       }
       __syncthreads();  // Att complete
@@ -288,8 +327,8 @@ __global__ void __launch_bounds__(kWbThreads)
       zero_acc(dvl[mt]);
       uint32_t a[4][4];
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], Att + (16 * ks) * TP + 16 * mt, TP);
-      mma_rm<4, 2>(dvl[mt], a, DOs + 16 * warp, TP);
+      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], Att + (16 * ks) * AP + 16 * mt, AP);
+      mma_rm<4, 2>(dvl[mt], a, DOs + 16 * warp, OP);
     }
 
     // dvn = dv_local + diag(e^{GC - G}) Ks dS
@@ -323,7 +362,7 @@ __global__ void __launch_bounds__(kWbThreads)
             const int vc = 16 * warp + 8 * nv + 2 * qd;
             const float x0 = dec * acc[mt][nv][2 * half] + dvl[mt][nv][2 * half];
             const float x1 = dec * acc[mt][nv][2 * half + 1] + dvl[mt][nv][2 * half + 1];
-            *reinterpret_cast<uint32_t*>(Dvn + t * TP + vc) = pack_bf16(-x0, -x1);
+            *reinterpret_cast<uint32_t*>(Dvn + t * OP + vc) = pack_bf16(-x0, -x1);
           }
         }
     }
@@ -336,14 +375,14 @@ __global__ void __launch_bounds__(kWbThreads)
     {
       uint32_t a[4][4];
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], DOg + (16 * ks) * TP + 16 * warp, TP);
+      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], DOg + (16 * ks) * OP + 16 * warp, OP);
       mma_rm<4, K / 8>(S, a, Qs, KP);
     }
     __syncwarp();  // this warp's Dvn columns are written
     {
       uint32_t a[4][4];
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], Dvn + (16 * ks) * TP + 16 * warp, TP);
+      for (int ks = 0; ks < 4; ++ks) lda_tr(a[ks], Dvn + (16 * ks) * OP + 16 * warp, OP);
       mma_rm<4, K / 8>(S, a, Ws, KP);
     }
   }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,44 @@ def _conv_packed(x, weight, pos, activation, history=None):
     if activation == "silu":
         y = y * (1.0 / (1.0 + jnp.exp(-y)))
     return y.astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_cuda(x, weight, pos, activation):
+    """`_conv_packed` as the cuda kernels (cuda/conv.cu), forward and backward."""
+    from .primitives import cuda
+
+    return cuda.conv_fwd(x, weight, pos, activation=activation)
+
+
+def _conv_cuda_fwd(x, weight, pos, activation):
+    return _conv_cuda(x, weight, pos, activation), (x, weight, pos)
+
+
+def _conv_cuda_bwd(activation, res, dy):
+    from .primitives import cuda
+
+    x, weight, pos = res
+    dx, dweight = cuda.conv_bwd(x, weight, pos, dy, activation=activation)
+    return dx, dweight, None
+
+
+_conv_cuda.defvjp(_conv_cuda_fwd, _conv_cuda_bwd)
+
+
+def _use_cuda(backend: str | None) -> bool:
+    """The backend rule of gdn (primitives.resolve): None -> cuda when the extension is built and
+    a GPU is visible; "cuda" -> RuntimeError when the extension is missing."""
+    from . import primitives
+    from .primitives import cuda
+
+    if backend is None:
+        return primitives.cuda_ready()
+    if backend == "cuda":
+        if not cuda.require():
+            raise RuntimeError(f"backend='cuda' requested but {cuda.unavailable_reason()}")
+        return True
+    return False
 
 
 def _conv_kcp(x, weight, cu, axis_name, layout, activation):
@@ -93,12 +133,14 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
       x: [B, T, C] bfloat16 or float32.  weight: [C, W].
       cu_seqlens: optional int32 [N + 1] document bounds (B == 1); may be traced.
       activation: "silu" or None.
-      backend: None, "xla" or "cuda"; the conv is jax.numpy on every backend today.
+      backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
+        "cuda". cuda: CUDA kernels forward and backward (cuda/conv.cu, a custom_vjp; dweight is
+        deterministic); xla: jax.numpy with JAX autodiff.
       axis_name, layout: the context-parallel form, inside jax.shard_map: x is this rank's slice
         [1, T / W, C] of the layout-ordered tokens (see `to_layout`), cu_seqlens is global and
         required. The first W - 1 rows of a continuing document come from the previous piece in
-        layout order.
-    Returns y [B, T, C] in x's dtype; gradients through JAX autodiff.
+        layout order. This form is jax.numpy (autodiff) on every backend.
+    Returns y [B, T, C] in x's dtype.
     """
     if not hasattr(x, "ndim") or x.ndim != 3:
         raise ValueError(f"x must be [B, T, C], got {getattr(x, 'shape', type(x).__name__)}")
@@ -129,5 +171,6 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
         check_cu_seqlens(cu_seqlens, B, T)
         bounds = cu_seqlens
     pos = doc_positions(bounds, B * T)
-    y = _conv_packed(x.reshape(B * T, C), weight, pos, activation)
+    conv = _conv_cuda if _use_cuda(backend) else _conv_packed
+    y = conv(x.reshape(B * T, C), weight, pos, activation)
     return y.reshape(B, T, C)

@@ -38,8 +38,7 @@ def _forward(cfg: _Config, q, k, v, g, beta, h0, ct: ChunkTable):
     rq = P.l2norm_rstd(q) if cfg.qk_l2norm else None
     rk = P.l2norm_rstd(k) if cfg.qk_l2norm else None
     G = P.gate_cumsum(g, ct)
-    A = P.solve_a(k, beta, G, rk, ct)
-    w, u = P.wy(k, v, beta, G, A, rk, ct)
+    A, w, u = P.prep(k, v, beta, G, rk, ct)
     full = cfg.save_mode == "full"
     if cfg.with_output and not full:  # light: h and v_new are not kept, the walk emits o itself
         o, final = P.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=cfg.scale,
@@ -68,7 +67,7 @@ def _backward(cfg: _Config, residuals, cts):
         do = jnp.zeros(v.shape, v.dtype)
     if cfg.save_mode == "full":
         w, u, h, v_new, scores = res["w"], res["u"], res["h"], res["v_new"], res["scores"]
-    else:  # light: replay w, u and the state walk
+    else:  # light: replay w, u (bitwise as prep made them) and the state walk
         w, u = P.wy(k, v, beta, G, A, rk, ct)
         h, v_new, _ = P.state_walk(k, w, u, G, res["h0"], rk, ct)
         scores = None
@@ -145,8 +144,8 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         bitwise-equal outputs and gradients.
       backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
         "cuda". Under "cuda" every primitive of the forward and the backward is a CUDA kernel
-        (`primitives.CUDA_KERNELS`); the GVA group sum and L2-norm backward of dq/dk, the gate
-        options and the short conv are jax.numpy.
+        (`primitives.CUDA_KERNELS`; the GVA group sum and L2-norm backward of dq/dk too); the
+        gate options are jax.numpy.
       use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: the gate
         options of flash-linear-attention's `chunk_gated_delta_rule`, same names and meaning
         (see `jax_cake_gdn.gates`). use_gate_in_kernel=True: g is raw and the log decay is

@@ -12,7 +12,8 @@ primitives) on uneven documents (1, 0, 63, 64, 65, 0, 1000 tokens; 4 unused chun
 the same under JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite; cuda chunk_bwd
 against xla chunk_bwd on the same inputs and configurations (every gradient, relative RMS <= 1e-2,
 every token row finite, also under poison); and gdn gradients on the cuda backend (both kernels)
-against the float64 reference (<= 1e-2), light and full bitwise equal; deterministic=True
+against the float64 reference (<= 1e-2), light and full bitwise equal; the dq / dk epilogue
+(l2norm_bwd: GVA group sum and L2-norm backward) against a float64 numpy version; deterministic=True
 gradients bitwise equal over 10 runs, with the device memory they reuse first filled with NaN.
 """
 
@@ -70,8 +71,7 @@ def _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm):
     rq = X.l2norm_rstd(q) if qk_l2norm else None
     rk = X.l2norm_rstd(k) if qk_l2norm else None
     G = X.gate_cumsum(g, ct)
-    A = X.solve_a(k, beta, G, rk, ct)
-    w, u = X.wy(k, v, beta, G, A, rk, ct)
+    A, w, u = X.prep(k, v, beta, G, rk, ct)
     h, vn, _ = X.state_walk(k, w, u, G, h0, rk, ct)
     return ct, rq, rk, G, A, w, u, h, vn
 
@@ -191,6 +191,11 @@ def test_lower_chunk_bwd_for_cuda(dims, l2):
             "tensor<300x6xf32>, tensor<300x6xf32>") in call, call
     assert ("tensor<1xf32>" in call) == (not l2)  # absent: f32[1]
     assert "stablehlo.while" not in hlo
+    # the dq / dk epilogue (GVA group sum, L2-norm backward) is the l2norm_bwd kernel, twice
+    epi = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_l2norm_bwd" in ln]
+    assert len(epi) == 2, hlo
+    assert all(f"-> tensor<300x2x{K}xbf16>" in ln for ln in epi), epi
+    assert "stablehlo.reduce" not in hlo
 
 
 def _grad_fn(backend, save_mode="light", deterministic=False):
@@ -304,9 +309,56 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
             call(**kw)
 
 
+def test_l2norm_bwd_bad_inputs_raise_value_error():
+    need_ext()
+    T, H, HV, K = 10, 2, 6, 128
+    x = jnp.zeros((T, H, K), jnp.bfloat16)
+    dy = jnp.zeros((T, HV, K), jnp.float32)
+    r = jnp.ones((T, H), jnp.float32)
+    cases = [
+        (dict(x=x[0]), "l2norm_bwd: x must have rank 3"),
+        (dict(x=x.astype(jnp.float16)), "l2norm_bwd: x must be bfloat16 or float32"),
+        (dict(x=jnp.zeros((T, H, 96), jnp.bfloat16), dy=jnp.zeros((T, HV, 96), jnp.float32)),
+         "l2norm_bwd: K = 96 is not supported"),
+        (dict(dy=dy[:, :, :64]), "l2norm_bwd: dy must be float32 [T, HV, K] with T = 10, K = 128"),
+        (dict(dy=dy[:, :5]), "l2norm_bwd: HV = 5 must be a multiple of H = 2"),
+        (dict(dy=dy.astype(jnp.bfloat16)), "l2norm_bwd: dy must be float32"),
+        (dict(rstd=r[:, :1]), "l2norm_bwd: rstd must have shape (10, 2)"),
+    ]
+    for kw, msg in cases:
+        a = dict(dy=dy, x=x, rstd=r) | kw
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            cuda.l2norm_bwd(a["dy"], a["x"], a["rstd"])
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU host
 # ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("heads_k", [(16, 48, 128), (2, 6, 64), (4, 4, 128)])
+def test_gpu_l2norm_bwd_matches_xla(heads_k, l2, dtype):
+    """The dq / dk epilogue kernel against xla's group sum + L2-norm backward in float64, on fresh
+    random inputs; every element written (poisoned run in the gradient checks below)."""
+    need_gpu()
+    H, HV, K = heads_k
+    T = 777
+    rng = np.random.default_rng(zlib.crc32(f"{H}{HV}{K}{l2}{dtype}".encode()))
+    x = jnp.asarray(rng.standard_normal((T, H, K)).astype(np.float32), dtype)
+    dy = jnp.asarray(rng.standard_normal((T, HV, K)).astype(np.float32))
+    r = cuda.l2norm_rstd(x) if l2 else None
+    got = np.asarray(jax.jit(cuda.l2norm_bwd)(dy, x, r), np.float64)
+    x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    d = dy64.reshape(T, H, HV // H, K).sum(2)
+    if l2:
+        r64 = np.asarray(r, np.float64)[..., None]
+        y = x64 * r64
+        d = r64 * (d - np.sum(d * y, -1, keepdims=True) * y)
+    e = rel(got, d)
+    print(f"\n[l2norm_bwd H={H} HV={HV} K={K} l2={l2} {np.dtype(dtype).name}] rel RMS {e:.1e}")
+    assert e <= (4e-3 if dtype == jnp.bfloat16 else 1e-6), e
 
 # (name, H, HV, K, V, dtype, qk_l2norm)
 CONFIGS = [
@@ -314,6 +366,7 @@ CONFIGS = [
     ("gva2x6-bf16-nol2", 2, 6, 128, 128, jnp.bfloat16, False),
     ("gva2x6-f32-l2-k64v64", 2, 6, 64, 64, jnp.float32, True),
     ("gva1x4-bf16-k128v64-nol2", 1, 4, 128, 64, jnp.bfloat16, False),
+    ("gva2x6-f32-k64v128-l2", 2, 6, 64, 128, jnp.float32, True),
 ]
 
 

@@ -1,13 +1,14 @@
-"""The cuda forward kernels: l2norm_rstd, solve_a, wy, state_walk, output, walk_output (cuda/*.cu).
+"""The cuda forward kernels: l2norm_rstd, prep, wy, state_walk, output, walk_output (cuda/*.cu).
 
 CPU host: `gdn(..., backend="cuda")` lowers for the cuda platform to the forward custom calls with
 no while loop of its own (light: the fused walk_output, never state_walk or output; full:
 state_walk and output); unsupported head dims raise ValueError naming K or V (backend="cuda")
 or fall back to xla (backend=None); wrappers reject bad inputs by name.
-GPU host: each cuda primitive against its xla twin on the same inputs, the fused walk_output
-against the separate cuda state_walk + output (<= 1e-3), and `gdn(backend="cuda")` against the
-float64 reference (relative RMS <= 1e-2), on uneven documents (1, 63, 64, 65, 1000 tokens, empty
-documents, unused chunk capacity; and 1, 12288, 65, 1000), GVA (16, 48) and (2, 6), L2 norm on
+GPU host: each cuda primitive against its xla twin on the same inputs (prep's A within 5e-4),
+prep's w, u bitwise equal to the cuda wy on prep's A (the light backward's replay), the fused
+walk_output against the separate cuda state_walk + output (<= 1e-3), and `gdn(backend="cuda")`
+against the float64 reference (relative RMS <= 1e-2), on uneven documents (1, 63, 64, 65, 1000
+tokens, empty documents, unused chunk capacity; and 1, 12288, 65, 1000), GVA (16, 48) and (2, 6), L2 norm on
 and off, initial state on and off, bf16 and f32 inputs, K = V = 128 and 64; the same under
 JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite.
 """
@@ -29,14 +30,16 @@ from jax_cake_gdn import gdn, primitives
 from jax_cake_gdn.chunks import chunk_table
 from jax_cake_gdn.primitives import cuda
 
-# the forward's custom calls by save mode: light fuses the walk and the output (no h, no v_new)
-FWD_TARGETS = {"light": ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "walk_output"),
-               "full": ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "output")}
+# the forward's custom calls by save mode: light fuses the walk and the output (no h, no v_new);
+# prep makes A, w and u in one kernel (wy runs only in the light backward's replay)
+FWD_TARGETS = {"light": ("gate_cumsum", "l2norm_rstd", "prep", "walk_output"),
+               "full": ("gate_cumsum", "l2norm_rstd", "prep", "state_walk", "output")}
 # documents: a length-1 one, an empty one, 63, 64, 65, another empty one, 1000 (T = 1193)
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)
 # a long document (192 chunks, as B23's longest) between short ones and an empty one (T = 13354)
 LONG_DOC_LENS = (1, 12288, 0, 65, 1000)
 TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
+A_TOL = 5e-4  # prep's A vs xla: bf16 k in K K^T, the inverse itself near f32 (split bf16 mma)
 SEP_TOL = 1e-3  # fused walk_output vs the separate cuda state_walk + output (same bf16 roundings)
 
 
@@ -91,11 +94,15 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         if qk_l2norm:
             out["rstd_q"] = (C.l2norm_rstd(q), rq)
         G = X.gate_cumsum(g, ct)
-        A = X.solve_a(k, beta, G, rk, ct)
-        out["A"] = (C.solve_a(k, beta, G, rk, ct), A)
-        w, u = X.wy(k, v, beta, G, A, rk, ct)
-        wc, uc = C.wy(k, v, beta, G, A, rk, ct)
-        out["w"], out["u"] = (wc, w), (uc, u)
+        A, w, u = X.prep(k, v, beta, G, rk, ct)
+        Ac, wc, uc = C.prep(k, v, beta, G, rk, ct)
+        out["A"], out["w"], out["u"] = (Ac, A), (wc, w), (uc, u)
+        # wy (the light backward's replay) vs xla on xla's A, and on prep's A vs prep's own w, u
+        # (keys "...~wy": bitwise equal expected, light == full depends on it)
+        wyc, uyc = C.wy(k, v, beta, G, A, rk, ct)
+        out["wy.w"], out["wy.u"] = (wyc, w), (uyc, u)
+        wyp, uyp = C.wy(k, v, beta, G, Ac, rk, ct)
+        out["w~wy"], out["u~wy"] = (wc, wyp), (uc, uyp)
         h, vn, fin = X.state_walk(k, w, u, G, h0, rk, ct)
         hc, vnc, finc = C.state_walk(k, w, u, G, h0, rk, ct)
         out["h"], out["v_new"], out["final"] = (hc, h), (vnc, vn), (finc, fin)
@@ -168,7 +175,7 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     targets = _targets(hlo)
     want = set(FWD_TARGETS[save_mode]) - (set() if qk_l2norm else {"l2norm_rstd"})
     assert want <= targets, (want, targets)
-    unwanted = {"state_walk", "output"} if save_mode == "light" else {"walk_output"}
+    unwanted = {"wy"} | ({"state_walk", "output"} if save_mode == "light" else {"walk_output"})
     assert not targets & unwanted, targets
     assert "stablehlo.while" not in hlo
     xla_hlo = _lower_cuda(_fwd("xla", qk_l2norm, save_mode), *args)
@@ -176,8 +183,8 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
 
 
 def test_lower_light_gradient_for_cuda():
-    """The light VJP: walk_output in the forward, the state walk replayed in the backward (it
-    needs h), and no separate output kernel anywhere."""
+    """The light VJP: prep and walk_output in the forward, wy and the state walk replayed in the
+    backward (it needs h), and no separate output kernel anywhere."""
     need_ext()
     args = _abstract_inputs()
 
@@ -188,7 +195,7 @@ def test_lower_light_gradient_for_cuda():
     # value_and_grad: with grad alone the forward's o is dead code (d sum(o) / do is 1)
     vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 6))
     targets = _targets(_lower_cuda(vg, *args))
-    assert {"walk_output", "state_walk", "walk_bwd"} <= targets, targets
+    assert {"prep", "walk_output", "wy", "state_walk", "walk_bwd"} <= targets, targets
     assert "output" not in targets, targets
 
 
@@ -220,7 +227,7 @@ def test_unsupported_dims_raise_or_fall_back(monkeypatch):
     monkeypatch.setattr(primitives, "cuda_ready", lambda: True)
     hlo = _lower_cuda(_fwd(None), *args)
     targets = _targets(hlo)
-    assert not targets & {"solve_a", "wy", "state_walk", "output", "walk_output"}, targets
+    assert not targets & {"prep", "wy", "state_walk", "output", "walk_output"}, targets
     hlo = _lower_cuda(_fwd(None), *_abstract_inputs(K=64, V=64))
     assert set(FWD_TARGETS["light"]) <= _targets(hlo)
 
@@ -232,17 +239,23 @@ def test_bad_inputs_raise_value_error():
     f = jnp.zeros((T, HV), jnp.float32)
     cs = jnp.zeros((NC,), jnp.int32)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
-        cuda.solve_a(k.astype(jnp.float16), f, f, None, cs, cs)
+        cuda.prep(k.astype(jnp.float16), v, f, f, None, cs, cs)
     with pytest.raises(ValueError, match="K = 32"):
-        cuda.solve_a(jnp.zeros((T, H, 32), jnp.bfloat16), f, f, None, cs, cs)
+        cuda.prep(jnp.zeros((T, H, 32), jnp.bfloat16), v, f, f, None, cs, cs)
     with pytest.raises(ValueError, match="multiple of H"):
-        cuda.solve_a(jnp.zeros((T, 4, K), jnp.bfloat16), f, f, None, cs, cs)
+        cuda.prep(jnp.zeros((T, 4, K), jnp.bfloat16), v, f, f, None, cs, cs)
     with pytest.raises(ValueError, match="beta"):
-        cuda.solve_a(k, f[:, :3], f, None, cs, cs)
+        cuda.prep(k, v, f[:, :3], f, None, cs, cs)
+    with pytest.raises(ValueError, match="G must"):
+        cuda.prep(k, v, f, f[:, :3], None, cs, cs)
     with pytest.raises(ValueError, match="rstd_k"):
-        cuda.solve_a(k, f, f, jnp.zeros((T, H + 1), jnp.float32), cs, cs)
+        cuda.prep(k, v, f, f, jnp.zeros((T, H + 1), jnp.float32), cs, cs)
     with pytest.raises(ValueError, match="chunk_len"):
-        cuda.solve_a(k, f, f, None, cs, cs[:2])
+        cuda.prep(k, v, f, f, None, cs, cs[:2])
+    with pytest.raises(ValueError, match="v must have k's dtype"):
+        cuda.prep(k, v.astype(jnp.float32), f, f, None, cs, cs)
+    with pytest.raises(ValueError, match="V = 96"):
+        cuda.prep(k, jnp.zeros((T, HV, 96), jnp.bfloat16), f, f, None, cs, cs)
     with pytest.raises(ValueError, match="v must have k's dtype"):
         cuda.wy(k, v.astype(jnp.float32), f, f, jnp.zeros((NC, HV, 64, 64)), None, cs, cs)
     with pytest.raises(ValueError, match="V = 96"):
@@ -304,6 +317,9 @@ def test_gpu_primitives_match_xla(cfg):
         assert errs["rstd_q"] < 1e-5
     for key, e in errs.items():
         assert e <= TOL, (key, e)
+    assert errs["A"] <= A_TOL, errs["A"]
+    for key in ("w~wy", "u~wy"):
+        assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
     # the fused walk + output against the separate cuda kernels: the same bf16 roundings and
     # accumulation order (bitwise equal is expected, printed, not required)
     for key in ("walk_output.o~sep", "walk_output.final~sep"):
@@ -364,6 +380,16 @@ _POISON_CHECK = textwrap.dedent("""
                            None, jnp.asarray([0, 128], jnp.int32), jnp.asarray([64, 64], jnp.int32))
     u = np.asarray(u)
     assert np.isnan(u[64:128]).all() and np.isfinite(u[:64]).all() and np.isfinite(u[128:192]).all()
+    # the same table through prep (plus an unused chunk slot: A = I there, no token rows);
+    # k.k = 1 and beta = 0.5 keep A bounded
+    A, w, u = jax.jit(cuda.prep)(k * 0.125, jnp.ones((T, 2, 64), jnp.bfloat16), f + 0.5, f, None,
+                                 jnp.asarray([0, 128, T], jnp.int32),
+                                 jnp.asarray([64, 64, 0], jnp.int32))
+    A, w, u = np.asarray(A), np.asarray(w), np.asarray(u)
+    assert np.isfinite(A).all() and np.array_equal(A[2], np.broadcast_to(np.eye(64), (2, 64, 64)))
+    for x in (w, u):
+        assert np.isnan(x[64:128]).all() and np.isnan(x[192:]).all()
+        assert np.isfinite(x[:64]).all() and np.isfinite(x[128:192]).all()
     print("OK")
 """)
 

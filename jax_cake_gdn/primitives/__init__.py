@@ -4,10 +4,10 @@ The custom_vjp rules (gdn.py) and the context-parallel logic (kcp/) are written 
 functions; `xla` implements all of them in jax.numpy, `cuda` replaces them with FFI kernels as
 they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels today).
 
-Forward: gate_cumsum, l2norm_rstd, solve_a (A), wy (w, u), state_walk (h, v_new, exit states),
-output (o, scores); walk_output (state_walk then output in one: o and exit states, for the light
-forward, which keeps neither h nor v_new). Backward: walk_bwd (reverse state walk), chunk_bwd (all
-input gradients).
+Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output
+(o, scores); walk_output (state_walk then output in one: o and exit states, for the light forward,
+which keeps neither h nor v_new). Backward: wy (w, u from the saved A, the light mode's replay),
+walk_bwd (reverse state walk), chunk_bwd (all input gradients).
 Signatures: see primitives/xla.py.
 
 The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
@@ -27,7 +27,7 @@ class Primitives(NamedTuple):
     name: str
     gate_cumsum: Callable
     l2norm_rstd: Callable
-    solve_a: Callable
+    prep: Callable
     wy: Callable
     state_walk: Callable
     output: Callable
@@ -36,11 +36,11 @@ class Primitives(NamedTuple):
     walk_output: Callable
 
 
-XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.solve_a, xla.wy, xla.state_walk,
+XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.wy, xla.state_walk,
                  xla.output, xla.walk_bwd, xla.chunk_bwd, xla.walk_output)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
-CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "solve_a", "wy", "state_walk", "output",
+CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "wy", "state_walk", "output",
                 "walk_output",
                 "walk_bwd", "chunk_bwd")
 BACKENDS = ("xla", "cuda")
@@ -73,8 +73,8 @@ def _cuda_primitives() -> Primitives:
         name="cuda",
         gate_cumsum=lambda g, ct: cuda.gate_cumsum(g, ct.start, ct.length),
         l2norm_rstd=cuda.l2norm_rstd,
-        solve_a=lambda k, beta, G, rstd_k, ct: cuda.solve_a(k, beta, G, rstd_k, ct.start,
-                                                            ct.length),
+        prep=lambda k, v, beta, G, rstd_k, ct: cuda.prep(k, v, beta, G, rstd_k, ct.start,
+                                                         ct.length),
         wy=lambda k, v, beta, G, A, rstd_k, ct: cuda.wy(k, v, beta, G, A, rstd_k, ct.start,
                                                         ct.length),
         state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(

@@ -31,7 +31,8 @@ __all__ = [
     "target_names",
     "gate_cumsum",
     "l2norm_rstd",
-    "solve_a",
+    "l2norm_bwd",
+    "prep",
     "wy",
     "state_walk",
     "output",
@@ -312,27 +313,28 @@ def l2norm_rstd(x):
     return _call("l2norm_rstd", [(x.shape[:2], jnp.float32)], x)[0]
 
 
-def solve_a(k, beta, G, rstd_k, chunk_start, chunk_len):
-    """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1, float32 [NC, HV, 64, 64]."""
-    fn = "solve_a"
-    k = _qkv(fn, "k", k)
-    T, H, K = k.shape
+def l2norm_bwd(dy, x, rstd):
+    """The dq / dk epilogue: dy f32[T, HV, K] per value head -> dx [T, H, K] in x's dtype.
+
+    Sums each GVA group (value heads h HV/H .. (h + 1) HV/H - 1 read q/k head h) in a fixed
+    order, then the L2-norm backward dx = rstd (d - (d . y) y), y = x rstd (rstd None: dx = d).
+    K in SUPPORTED_DIMS.
+    """
+    fn = "l2norm_bwd"
+    x = _qkv(fn, "x", x)
+    T, H, K = x.shape
     _check_dims(fn, K=K)
-    G = jnp.asarray(G)
-    _check(G.ndim == 2 and G.shape[0] == T, f"{fn}: G must be float32 [T, HV], got {G.shape}")
-    HV = G.shape[1]
-    _heads(fn, H, HV)
-    G = _f32(fn, "G", G, (T, HV))
-    beta = _f32(fn, "beta", beta, (T, HV))
-    r = _rstd(fn, "rstd_k", rstd_k, T, H)
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    NC = cs.shape[0]
-    return _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.float32)], k, beta, G, r, cs, cl)[0]
+    dy = jnp.asarray(dy)
+    _check(dy.ndim == 3 and dy.shape[0] == T and dy.shape[2] == K,
+           f"{fn}: dy must be float32 [T, HV, K] with T = {T}, K = {K}, got {dy.shape}")
+    _heads(fn, H, dy.shape[1])
+    dy = _f32(fn, "dy", dy, dy.shape)
+    r = _rstd(fn, "rstd", rstd, T, H)
+    return _call(fn, [(x.shape, x.dtype)], dy, x, r)[0]
 
 
-def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
-    """w = A diag(beta e^G) K [T, HV, K] and u = A diag(beta) V [T, HV, V], float32."""
-    fn = "wy"
+def _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
+    """Checks shared by prep and wy: (k, v, beta, G, rstd_k or its placeholder, cs, cl)."""
     k = _qkv(fn, "k", k)
     v = _qkv(fn, "v", v)
     T, H, K = k.shape
@@ -343,10 +345,33 @@ def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
     _heads(fn, H, HV)
     beta = _f32(fn, "beta", beta, (T, HV))
     G = _f32(fn, "G", G, (T, HV))
+    r = _rstd(fn, "rstd_k", rstd_k, T, H)
     cs, cl = _table(fn, chunk_start, chunk_len)
+    return k, v, beta, G, r, cs, cl
+
+
+def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
+    """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1 [NC, HV, 64, 64], then
+    w = A diag(beta e^G) K [T, HV, K] and u = A diag(beta) V [T, HV, V], float32, in one kernel.
+    w and u are bitwise what `wy` gives on this A (the light backward's replay)."""
+    fn = "prep"
+    k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
+    T, _, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    NC = cs.shape[0]
+    A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.float32), ((T, HV, K), jnp.float32),
+                         ((T, HV, V), jnp.float32)], k, v, beta, G, r, cs, cl)
+    return A, w, u
+
+
+def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
+    """w = A diag(beta e^G) K [T, HV, K] and u = A diag(beta) V [T, HV, V], float32."""
+    fn = "wy"
+    k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
+    T, _, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
     A = _f32(fn, "A", A, (NC, HV, _CHUNK, _CHUNK))
-    r = _rstd(fn, "rstd_k", rstd_k, T, H)
     w, u = _call(fn, [((T, HV, K), jnp.float32), ((T, HV, V), jnp.float32)],
                  k, v, beta, G, A, r, cs, cl)
     return w, u
@@ -486,11 +511,9 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     kernel rounds it to bf16 anyway); beta, G f32[T, HV]; A f32[NC, HV, 64, 64]; h, dS_end
     f32[NC, HV, K, V]; v_new f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or None.
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
-    The kernel gives per-value-head dq, dk w.r.t. the normalised q, k; the GVA group sum and the
-    L2-norm backward (cheap, elementwise) run here in jax.numpy.
+    The kernel gives per-value-head dq, dk w.r.t. the normalised q, k; `l2norm_bwd` (a second
+    kernel) sums the GVA groups and applies the L2-norm backward.
     """
-    from .xla import _group_sum, _l2norm_bwd
-
     fn = "chunk_bwd"
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
@@ -518,6 +541,63 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
         fn, [((T, HV, K), f32), ((T, HV, K), f32), ((T, HV, V), v.dtype), ((T, HV), f32),
              ((T, HV), f32)],
         q, k, v, beta, G, A, h, v_new, dS_end, do, rq, rk, cs, cl, scale=np.float32(scale))
-    dq = _l2norm_bwd(_group_sum(dQ, H), q, rstd_q).astype(q.dtype)
-    dk = _l2norm_bwd(_group_sum(dK, H), k, rstd_k).astype(k.dtype)
-    return dq, dk, dv, dg, dbeta
+    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
+
+
+# ------------------------------------------------------------------------------------------------
+# Short conv (cuda/conv.cu): the non-context-parallel short_conv, forward and backward. x [T, C]
+# and weight [C, W] (W <= 4) bf16 or f32 (each its own), pos int32[T] = position of each token
+# inside its document (taps before the document start read zero); activation "silu" or None.
+# ------------------------------------------------------------------------------------------------
+
+__all__ += ["conv_fwd", "conv_bwd", "conv_partials"]
+
+CONV_MAX_WIDTH = 4
+_CONV_MIN_TOKENS = 64  # the backward's token block per dweight partial: at least this many
+_CONV_MAX_PARTIALS = 256  # and at most this many partials (workspace f32[NB, C, W])
+
+
+def conv_partials(T: int) -> int:
+    """NB, the number of token blocks (dweight partial sums) of conv_bwd over T tokens."""
+    return max(1, min(-(-int(T) // _CONV_MIN_TOKENS), _CONV_MAX_PARTIALS))
+
+
+def _conv_args(fn: str, x, weight, pos, activation):
+    x = jnp.asarray(x)
+    weight = jnp.asarray(weight)
+    _check(x.ndim == 2, f"{fn}: x must be [T, C], got shape {x.shape}")
+    _check(np.dtype(x.dtype) in _QKV_DTYPES,
+           f"{fn}: x must be bfloat16 or float32, got {x.dtype}")
+    T, C = x.shape
+    _check(weight.ndim == 2 and weight.shape[0] == C,
+           f"{fn}: weight must be [C, W] with C = {C}, got shape {weight.shape}")
+    _check(1 <= weight.shape[1] <= CONV_MAX_WIDTH,
+           f"{fn}: weight width W must be in 1..{CONV_MAX_WIDTH}, got {weight.shape[1]}")
+    _check(np.dtype(weight.dtype) in _QKV_DTYPES,
+           f"{fn}: weight must be bfloat16 or float32, got {weight.dtype}")
+    pos = _i32(fn, "pos", pos, T)
+    _check(activation in ("silu", None),
+           f"{fn}: activation must be 'silu' or None, got {activation!r}")
+    return x, weight, pos, np.int32(activation == "silu")
+
+
+def conv_fwd(x, weight, pos, *, activation="silu"):
+    """y = act(causal depthwise conv of x per document) [T, C] in x's dtype (f32 arithmetic)."""
+    x, weight, pos, act = _conv_args("conv_fwd", x, weight, pos, activation)
+    return _call("conv_fwd", [(x.shape, x.dtype)], x, weight, pos, activation=act)[0]
+
+
+def conv_bwd(x, weight, pos, dy, *, activation="silu"):
+    """(dx [T, C] in x's dtype, dweight [C, W] in weight's dtype) of conv_fwd for cotangent dy
+    (cast to x's dtype). dweight: f32 sums per token block, added in a fixed order (deterministic,
+    no atomics), then cast."""
+    fn = "conv_bwd"
+    x, weight, pos, act = _conv_args(fn, x, weight, pos, activation)
+    dy = jnp.asarray(dy)
+    _check(dy.shape == x.shape, f"{fn}: dy must have x's shape {x.shape}, got {dy.shape}")
+    dy = dy.astype(x.dtype)
+    NB = conv_partials(x.shape[0])
+    dx, dw, _ = _call(fn, [(x.shape, x.dtype), (weight.shape, jnp.float32),
+                           ((NB,) + weight.shape, jnp.float32)],
+                      x, weight, pos, dy, activation=act)
+    return dx, dw.astype(weight.dtype)

@@ -118,7 +118,7 @@ def l2norm_rstd(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=-1) + 1e-6)
 
 
-def solve_a(k, beta, G, rstd_k, ct: ChunkTable):
+def _solve_a(k, beta, G, rstd_k, ct: ChunkTable):
     """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1, float32 [NC, HV, 64, 64]."""
     HV = G.shape[1]
     gt = _gates(G, ct)
@@ -130,8 +130,17 @@ def solve_a(k, beta, G, rstd_k, ct: ChunkTable):
                                            left_side=True, lower=True, unit_diagonal=True)
 
 
+def prep(k, v, beta, G, rstd_k, ct: ChunkTable):
+    """A [NC, HV, 64, 64] (as _solve_a), then w [T, HV, K] and u [T, HV, V] from it (as wy),
+    all float32."""
+    A = _solve_a(k, beta, G, rstd_k, ct)
+    w, u = wy(k, v, beta, G, A, rstd_k, ct)
+    return A, w, u
+
+
 def wy(k, v, beta, G, A, rstd_k, ct: ChunkTable):
-    """w = A diag(beta e^G) K [T, HV, K] and u = A diag(beta) V [T, HV, V], float32."""
+    """w = A diag(beta e^G) K [T, HV, K] and u = A diag(beta) V [T, HV, V], float32 (the light
+    backward's replay from the saved A)."""
     HV = v.shape[1]
     Kc = _th(_qk_heads(k, rstd_k, HV), ct)
     bc = _th(beta, ct)[..., None]
