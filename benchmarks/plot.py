@@ -25,9 +25,10 @@ from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-DEFAULT_JSON = [os.path.join(RESULTS, "B23_2026-11-29b_h200.json")]
+DEFAULT_JSON = [os.path.join(RESULTS, "B23_2026-11-29d_h200.json"),
+                os.path.join(RESULTS, "B23_ckpt_2026-11-29d_h200.json")]
 DEFAULT_LOG: List[str] = []
-DEFAULT_OUT = os.path.join(RESULTS, "h200_2026-11-29b.png")
+DEFAULT_OUT = os.path.join(RESULTS, "h200_2026-11-29d.png")
 
 # arm name -> (label, colour); unknown arms get matplotlib's next colour
 ARMS = {

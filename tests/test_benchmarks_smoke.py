@@ -89,3 +89,20 @@ def test_kcp_arms_on_host_devices(tmp_path):
         for arm in arms[1:3]:
             assert got[arm, op]["check"]["max_rel_rms"] <= 1e-2, (arm, op)  # bf16 outputs
         assert "check" not in got[arms[3], op]
+
+
+def test_kernel_times_end_to_end(tmp_path):
+    """benchmarks.kernels times every primitive of one fwd + bwd (xla backend here) and writes
+    its JSON; the rows name each primitive once, and the whole-op rows come last."""
+    from benchmarks import kernels
+
+    res = kernels.main(["--workload", "tiny", "--backend", "xla", "--calls", "1",
+                        "--out", str(tmp_path)])
+    rows = list(res["median_ms"])
+    assert rows[:4] == ["fwd: l2norm_rstd (q or k)", "fwd: gate_cumsum", "fwd: prep",
+                        "fwd light: walk_output"]
+    assert {"bwd: walk_bwd", "bwd: chunk_bwd", "bwd light: wy (replay)"} <= set(rows)
+    assert rows[-4:] == ["gdn fwd light", "gdn fwd full", "gdn fwd+bwd light", "gdn fwd+bwd full"]
+    assert all(t > 0 for t in res["median_ms"].values())
+    saved = json.loads((tmp_path / "kernels_tiny_xla.json").read_text())
+    assert saved["median_ms"] == res["median_ms"]
