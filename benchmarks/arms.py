@@ -209,16 +209,32 @@ def torch_arm(kind: str, opts: List[str]) -> Arm:
             raise ArmUnavailable(f"{kind} not importable: {type(e).__name__}: {e}") from e
         if not torch.cuda.is_available():
             raise ArmUnavailable("torch sees no CUDA device")
-        if wl.layer:
-            raise ArmUnavailable("layer workloads are not wired for the torch peers")
         act = torch.bfloat16 if wl.dtype == "bf16" else torch.float32
         grad = op != "fwd"
         t = lambda n, dt: torch.from_numpy(inputs[n]).to("cuda", dt)
-        args = [t(n, act).requires_grad_(grad) for n in ("q", "k", "v")]
-        args += [t(n, torch.float32).requires_grad_(grad) for n in ("g", "beta")]
         cu = torch.from_numpy(inputs["cu_seqlens"].astype("int64")).to("cuda")
         do = t("do", torch.float32)
-        layer = lambda *a: fn(*a, cu_seqlens=cu, use_qk_l2norm_in_kernel=wl.qk_l2norm)[0]
+        gdn = lambda q, k, v, g, beta: fn(q, k, v, g, beta, cu_seqlens=cu,
+                                          use_qk_l2norm_in_kernel=wl.qk_l2norm)[0]
+        if wl.layer:
+            # both peers take FLA's Triton causal_conv1d (per document, SiLU) for the conv
+            try:
+                from fla.modules.causal_conv1d import causal_conv1d
+            except Exception as e:  # noqa: BLE001
+                raise ArmUnavailable(f"layer needs FLA's causal_conv1d: {e}") from e
+            args = [t(n, act).requires_grad_(grad) for n in ("x", "conv_w")]
+            HK, T = wl.H * wl.K, wl.T
+
+            def layer(x, w, g, beta):
+                y = causal_conv1d(x, w, activation="silu", cu_seqlens=cu)[0]
+                q = y[..., :HK].reshape(1, T, wl.H, wl.K).contiguous()
+                k = y[..., HK:2 * HK].reshape(1, T, wl.H, wl.K).contiguous()
+                v = y[..., 2 * HK:].reshape(1, T, wl.HV, wl.V).contiguous()
+                return gdn(q, k, v, g, beta)
+        else:
+            args = [t(n, act).requires_grad_(grad) for n in ("q", "k", "v")]
+            layer = gdn
+        args += [t(n, torch.float32).requires_grad_(grad) for n in ("g", "beta")]
 
         def call():
             if op == "fwd":
