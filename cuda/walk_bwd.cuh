@@ -53,6 +53,11 @@
 // (v0 ran every shape at VT = 64: K = V = 128 bf16 was 252 registers, 160 / 176 KB, two 4-warp
 // CTAs per (segment, head), 4 warps per SM, both recomputing Att and loading w, q, k.)
 //
+// dS_end goes to global as bf16 (the f32 gradient rounded to nearest: the operand chunk_bwd used to
+// round it to itself), with 16-byte stores through a transpose in this warp's columns of the Dvn
+// tile before this chunk's -dvn is written there (state_store_bf16, fwd_common.cuh; no extra
+// shared memory). The carried dS stays f32.
+//
 // Unused chunks (length 0, after every segment's chunks) get dS_end = 0, as the xla reverse scan
 // gives (its carry starts at zero there); the last used chunk's segment writes them, or segment 0
 // when no chunk is used at all.
@@ -128,14 +133,6 @@ __device__ __forceinline__ void wb_state_rw(float (&S)[K / 8][4], float* base, i
   }
 }
 
-template <int K>
-__device__ __forceinline__ void wb_state_zero(float* base, int V) {
-  float Z[K / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt) Z[nt][0] = Z[nt][1] = Z[nt][2] = Z[nt][3] = 0.f;
-  wb_state_rw<K>(Z, base, V, true);
-}
-
 template <typename In, int K, int VT>
 __global__ void __launch_bounds__(wb_threads<VT>())
     walk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k,
@@ -146,7 +143,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
                     const float* __restrict__ rstd_k,  // nullable
                     const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                     const int32_t* __restrict__ seg_first, const int32_t* __restrict__ seg_last,
-                    const int32_t* __restrict__ seg_len, float* __restrict__ dS_end,
+                    const int32_t* __restrict__ seg_len, bf16* __restrict__ dS_end,
                     float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
                     float scale) {
   static_assert(VT == 64 || VT == 128, "4 or 8 warps");
@@ -197,7 +194,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
     // No used chunk at all (no tokens): every dS_end is zero, written by segment 0.
     if (s == 0 && NC > 0 && clen[0] <= 0) {
       for (int c = 0; c < NC; ++c)
-        wb_state_zero<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
+        state_zero_bf16<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
     }
     return;
   }
@@ -296,8 +293,11 @@ __global__ void __launch_bounds__(wb_threads<VT>())
     __syncthreads();  // tiles ready; staging free
     if (c > c_first) prefetch(c - 1);
 
-    // dS_end[c] = the carried gradient
-    wb_state_rw<K>(S, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
+    // dS_end[c] = the carried gradient, as bf16 through this warp's (free) columns of the Dvn
+    // tile: the last product of chunk c + 1 read them before the barriers above, and -dvn is
+    // written to them below (state_store_bf16 ends with __syncwarp)
+    state_store_bf16<K, OP>(S, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0,
+                            V, Dvn);
 
     if (scores == nullptr) {
       // This warp's part of Att = Gam o (Q K^T), bf16 into the shared tile: rows 16 (warp % 4)..,
@@ -391,7 +391,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
   // The last used chunk's segment also zeroes the unused chunks' dS_end.
   if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
     for (int c = c_last + 1; c < NC; ++c)
-      wb_state_zero<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
+      state_zero_bf16<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
   }
 }
 
