@@ -43,6 +43,9 @@
 // K = 64, V = 128: 200-205 registers, 129-145 KB, 1 CTA (8 warps). V = 64 (4 warps, 128
 // threads): K = 128 239 registers, 169 / 201 KB (bf16 / f32), 1 CTA; K = 64 160-167 registers,
 // 105 / 121 KB. No spills.
+// The state walk itself (4 warps, VT = 64, bf16 h store): K = 128 219-220 registers (168 with the
+// former f32 h store), 110 / 126 KB (bf16 / f32 k): 2 / 1 CTAs per SM; K = 64 168 registers,
+// 70 / 78 KB: 3 / 2 CTAs per SM. No spills.
 #pragma once
 
 #include "fwd_common.cuh"

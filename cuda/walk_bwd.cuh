@@ -40,16 +40,18 @@
 // instructions of the VT = 64 instantiations is the v0 kernel's, and VT = 128's is VT = 64's
 // without the half of the Att products and gates that the other column group's warps now do.)
 //
-// Cost (ptxas -v, sm_90a, nvcc 13.0, CMakeLists.txt flags; no spills, no stack frame, 1 barrier;
-// dynamic shared memory without / with saved scores; 1 CTA per SM except K = V = 64 bf16 without
-// scores, 2):
-//   K = V = 128, bf16, VT = 128 (8 warps):  250 registers, 192 / 208 KB (dO staging 16 KB; dOs,
+// Cost (ptxas -v, sm_90a, nvcc 13.0, CMakeLists.txt flags, with the bf16 dS_end store; no spills,
+// no stack frame, 1 barrier; dynamic shared memory without / with saved scores; 1 CTA per SM
+// except K = V = 64 bf16 without scores, 2):
+//   K = V = 128, bf16, VT = 128 (8 warps):  251 registers, 192 / 208 KB (dO staging 16 KB; dOs,
 //       dOg, Dvn 17 KB each; Q, K, W tiles 17 KB each; Att 9 KB): 8 warps per SM
-//   K = V = 128, f32,  VT = 64  (4 warps):  251 registers, 200 / 216 KB: 4 warps per SM
+//   K = V = 128, f32,  VT = 64  (4 warps):  167 registers, 200 / 216 KB: 4 warps per SM
 //       (at VT = 128 it would need 240 / 256 KB)
-//   K = 64, V = 128, VT = 128 (8 warps):    bf16 251 registers, 136 / 152 KB; f32 252, 168 / 184 KB
-//   V = 64, VT = 64 (4 warps):              K = 128: bf16 251 registers, 160 / 176 KB; f32 251,
-//       200 / 216 KB. K = 64: bf16 168, 104 / 120 KB; f32 165, 128 / 144 KB
+//   K = 64, V = 128, VT = 128 (8 warps):    bf16 251 registers, 136 / 152 KB; f32 251, 168 / 184 KB
+//   V = 64, VT = 64 (4 warps):              K = 128: bf16 168 registers, 160 / 176 KB; f32 167,
+//       200 / 216 KB. K = 64: bf16 168, 104 / 120 KB; f32 162, 128 / 144 KB
+// (with the f32 dS_end store: 250 at K = V = 128 bf16, 251-252 at K = 128 VT = 64 and at
+// K = 64 VT = 128, 165 at K = V = 64 f32; the same CTAs per SM)
 // (v0 ran every shape at VT = 64: K = V = 128 bf16 was 252 registers, 160 / 176 KB, two 4-warp
 // CTAs per (segment, head), 4 warps per SM, both recomputing Att and loading w, q, k.)
 //
