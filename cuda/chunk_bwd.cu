@@ -7,7 +7,8 @@
 //          dg f32[T, HV], dbeta f32[T, HV]
 //
 // q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
-// A f32[NC, HV, 64, 64]; h, dS_end f32[NC, HV, K, V]; v_new f32[T, HV, V]; rstd_q, rstd_k
+// A f32[NC, HV, 64, 64]; h, dS_end bf16[NC, HV, K, V] (the walks' bf16 tapes); v_new
+// f32[T, HV, V]; rstd_q, rstd_k
 // f32[T, H] or f32[1] (no L2 norm); chunk table int32 (chunks.py). K, V in {64, 128}. Every token
 // row is written by its chunk; unused chunks (length 0) write nothing.
 #include "chunk_bwd.cuh"
@@ -20,8 +21,8 @@ namespace {
 
 ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
-                          ffi::Buffer<ffi::F32> A, ffi::Buffer<ffi::F32> h,
-                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> dS_end,
+                          ffi::Buffer<ffi::F32> A, ffi::Buffer<ffi::BF16> h,
+                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::BF16> dS_end,
                           ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> rstd_q,
                           ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                           ffi::Buffer<ffi::S32> chunk_len, float scale,
@@ -62,9 +63,9 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be f32[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
   JCG_CHECK_ARG(dims_are(h.dimensions(), {NC, HV, K, V}),
-                "h must be f32[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
+                "h must be bf16[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
   JCG_CHECK_ARG(dims_are(dS_end.dimensions(), {NC, HV, K, V}),
-                "dS_end must be f32[NC, HV, K, V], got shape " + dims_str(dS_end.dimensions()));
+                "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end.dimensions()));
   JCG_CHECK_ARG(dims_are(dQ->dimensions(), {T, HV, K}),
                 "dQ must be f32[T, HV, K], got shape " + dims_str(dQ->dimensions()));
   JCG_CHECK_ARG(dims_are(dK->dimensions(), {T, HV, K}),
@@ -95,7 +96,8 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                      static_cast<const In*>(q.untyped_data()),
                      static_cast<const In*>(k.untyped_data()),
                      static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
-                     A.typed_data(), h.typed_data(), v_new.typed_data(), dS_end.typed_data(),
+                     A.typed_data(), static_cast<const bf16*>(h.untyped_data()),
+                     v_new.typed_data(), static_cast<const bf16*>(dS_end.untyped_data()),
                      static_cast<const In*>(dout.untyped_data()),
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
@@ -121,9 +123,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_chunk_bwd, jax_cake_gdn::chunk_bwd_im
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // A
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dS_end
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // dS_end
                                   .Arg<xla::ffi::AnyBuffer>()              // do
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k

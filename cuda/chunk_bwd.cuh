@@ -22,10 +22,13 @@
 // Every product runs on mma.sync m16n8k16 (bf16 operands from shared memory, f32 accumulate):
 // one generic warp tile (16 x 32 of a 64 x N result, N in {64, K, V}; 8 warps cover 64 x 64 in
 // one tile each and 64 x 128 in two) over ldmatrix-fed operands in any of the four transposition
-// layouts. f32 intermediates (vn, h, dS, A, dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once,
-// when they become operands; a CPU emulation of exactly these roundings against the f32 xla
-// chunk_bwd gives 2-3e-3 relative RMS on every output (splitting the A-chain operands into bf16
-// hi + lo changed nothing that matters: the error comes from the K dS and vn dS^T products).
+// layouts. f32 intermediates (vn, A, dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
+// become operands. h and dS_end arrive in bf16 (the walks round them when they write them, to the
+// values this kernel rounded them to itself before v5) and go straight into their tiles by
+// cp.async; e^{G_C} sum(dS o h), their only other use, sums these bf16 values in f32. A CPU
+// emulation of exactly these roundings (before v5: with that sum in f32 h, dS) against the f32
+// xla chunk_bwd gives 2-3e-3 relative RMS on every output (splitting the A-chain operands into
+// bf16 hi + lo changed nothing that matters: the error comes from the K dS and vn dS^T products).
 // Per-row reductions (dG, dbeta, dG_C) go through per-tile partial arrays in shared memory and
 // are summed in a fixed order: the kernel is deterministic (no atomics).
 //
@@ -150,8 +153,8 @@ template <typename In, int K, int V>
 __global__ void __launch_bounds__(kCbThreads, 1)
     chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,
                      const float* __restrict__ beta, const float* __restrict__ G,
-                     const float* __restrict__ A, const float* __restrict__ h,
-                     const float* __restrict__ v_new, const float* __restrict__ dS_end,
+                     const float* __restrict__ A, const bf16* __restrict__ h,
+                     const float* __restrict__ v_new, const bf16* __restrict__ dS_end,
                      const In* __restrict__ dout, const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
@@ -198,7 +201,23 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   const int64_t v_off = (cs.start * HV + hv) * V;
   const int64_t s_off = (static_cast<int64_t>(c) * HV + hv) * K * V;
 
-  // ---- stage 0: operands into shared memory (bf16), G, beta, and e^{G_C} sum(dS o h) in f32
+  // ---- stage 0: operands into shared memory (bf16), G, beta, and sum(dS o h) in f32
+  // h and dS_end are bf16 (as the walks wrote them): 16-byte cp.async pieces straight into their
+  // operand tiles, in flight while q, k, dO, v_new are converted. Thread tid copies pieces
+  // tid + j * 256 (j < kPer) of each.
+  constexpr int kV8 = V / 8, kPer = K * kV8 / kCbThreads;
+  static_assert(K * kV8 % kCbThreads == 0, "state tile does not split evenly");
+  {
+    const bf16* hp = h + s_off;
+    const bf16* sp = dS_end + s_off;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int idx = tid + j * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
+      cp_async16(Hs + r * VP + c8, hp + r * V + c8, true);
+      cp_async16(DSs + r * VP + c8, sp + r * V + c8, true);
+    }
+    cp_async_commit();
+  }
   load_tile_bf16<kChunk, K, 8, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
                                            ScaleRstd{rstd_q, cs.start, H, hk});
   load_tile_bf16<kChunk, K, 8, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
@@ -211,29 +230,19 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     sG[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];  // padding rows: G = G_C (as xla)
     sB[tid] = tid < len ? beta[(cs.start + tid) * HV + hv] : 0.f;
   }
-  float hds = 0.f;  // sum(dS o h), this thread's share
+  // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over the pieces it copied (its own
+  // cp.async writes are visible to it after the wait), in a fixed order
+  cp_async_wait_all();
   {
-    constexpr int kV8 = V / 8, kPer = K * kV8 / kCbThreads, kNB = kPer < 4 ? kPer : 4;
-    static_assert(kPer % kNB == 0, "state tile does not split evenly");
-    const float* hp = h + s_off;
-    const float* sp = dS_end + s_off;
-#pragma unroll 1
-    for (int b0 = 0; b0 < kPer; b0 += kNB) {
-      float fh[kNB][8], fs[kNB][8];
+    float hds = 0.f;
+#pragma unroll 2
+    for (int j = 0; j < kPer; ++j) {
+      const int idx = tid + j * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
+      float fh[8], fs[8];
+      lds8(Hs + r * VP + c8, fh);
+      lds8(DSs + r * VP + c8, fs);
 #pragma unroll
-      for (int j = 0; j < kNB; ++j) {
-        const int idx = tid + (b0 + j) * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
-        load8(hp + r * V + c8, fh[j]);
-        load8(sp + r * V + c8, fs[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < kNB; ++j) {
-        const int idx = tid + (b0 + j) * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) hds = fmaf(fh[j][e], fs[j][e], hds);
-        sts8_bf16(Hs + r * VP + c8, fh[j], 1.f);
-        sts8_bf16(DSs + r * VP + c8, fs[j], 1.f);
-      }
+      for (int e = 0; e < 8; ++e) hds = fmaf(fh[e], fs[e], hds);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);

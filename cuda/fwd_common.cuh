@@ -255,6 +255,63 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
   for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
 }
 
+// ---------------------------------------------------------------- bf16 state tapes
+
+// The walks keep their K x V state in registers as S^T m16n8 accumulator fragments (state_walk,
+// walk_bwd): warp w holds S[nt][e] = state[k][v] with value column v = 16 w + g + 8 (e / 2) (in
+// the CTA's column tile) and key row k = 8 nt + 2 q + (e % 2), g = lane / 4, q = lane % 4.
+
+// Writes this warp's 16 columns of the state as bf16 (round to nearest, as pack_bf16 rounds an
+// operand) to a row-major [K][V] state in global memory: base at state[k = 0][tile column 0], row
+// pitch V elements. 16-byte stores (each instruction covers 16 rows x 32 bytes, full sectors), via
+// a transpose through this warp's columns 16 w..16 w + 15 of a 64-row bf16 shared tile (tile at its
+// [0][0], pitch LD; 2 LD a multiple of 16 and LD / 2 = 4 mod 32 words: the 2-byte writes and the
+// 16-byte reads are bank-conflict free) that no other warp touches meanwhile; K / 64 passes of 64
+// rows. The tile's columns are free again when this returns (it ends with __syncwarp).
+template <int K, int LD>
+__device__ __forceinline__ void state_store_bf16(const float (&S)[K / 8][4], bf16* base, int V,
+                                                 bf16* tile) {
+  static_assert(K % 64 == 0, "K / 64 passes of 64 rows");
+  static_assert((LD * sizeof(bf16)) % 16 == 0, "tile rows must stay 16-byte aligned");
+  static_assert((LD / 2) % 32 == 4, "tile pitch: the bank-conflict-free mapping assumes 4 mod 32");
+  constexpr int ld = LD;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  bf16* t = tile + 16 * warp;
+  bf16* dst = base + 16 * warp;
+#pragma unroll
+  for (int half = 0; half < K / 64; ++half) {
+    __syncwarp();  // this warp's earlier reads of t are done
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        t[(8 * nt + 2 * q + (e & 1)) * ld + g + 8 * (e >> 1)] =
+            __float2bfloat16_rn(S[8 * half + nt][e]);
+    __syncwarp();
+    // lanes 8j..8j+7 of pass i: rows 8 (2i + j / 2) + 0..7, 16-byte piece j % 2 of the 32-byte row
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int idx = 32 * i + lane, r = (idx & 7) + 8 * (idx >> 4), p = (idx >> 3) & 1;
+      const uint4 x = *reinterpret_cast<const uint4*>(t + r * ld + 8 * p);
+      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(64 * half + r) * V + 8 * p) = x;
+    }
+  }
+  __syncwarp();
+}
+
+// Zeros this warp's 16 columns of a bf16 [K][V] state (base as above). Rare paths only (unused
+// chunk slots), so plain 2-byte stores.
+template <int K>
+__device__ __forceinline__ void state_zero_bf16(bf16* base, int V) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const bf16 z = __float2bfloat16_rn(0.f);
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      base[static_cast<int64_t>(8 * nt + 2 * q + (e & 1)) * V + 16 * warp + g + 8 * (e >> 1)] = z;
+}
+
 // ---------------------------------------------------------------- chunk bounds
 
 // Tokens [start, start + len) of chunk c, clamped to the buffer (a malformed table then gives

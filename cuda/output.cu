@@ -4,7 +4,8 @@
 //       -> o [T, HV, V] (bf16 or f32, the result type chooses), scores f32[NC, HV, 64, 64] or
 //          f32[1] (not wanted)
 //
-// q, k: bf16 or f32 [T, H, K] (same dtype); G f32[T, HV]; h f32[NC, HV, K, V]; v_new
+// q, k: bf16 or f32 [T, H, K] (same dtype); G f32[T, HV]; h bf16[NC, HV, K, V] (the state walk's
+// tape); v_new
 // f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or f32[1]. K, V in {64, 128}.
 #include "fwd_args.cuh"
 #include "output.cuh"
@@ -15,7 +16,7 @@ namespace jax_cake_gdn {
 namespace {
 
 ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                       ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h,
+                       ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::BF16> h,
                        ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> rstd_q,
                        ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                        ffi::Buffer<ffi::S32> chunk_len, float scale, ffi::Result<ffi::AnyBuffer> o,
@@ -42,7 +43,7 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   const int64_t NC = chunk_start.dimensions()[0];
   JCG_CHECK_ARG(NC * HV < (int64_t{1} << 31), "NC * HV too large");
   JCG_CHECK_ARG(dims_are(h.dimensions(), {NC, HV, K, V}),
-                "h must be f32[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
+                "h must be bf16[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
   JCG_CHECK_ARG(dims_are(o->dimensions(), {T, HV, V}),
                 "o must be [T, HV, V], got shape " + dims_str(o->dimensions()));
   const ffi::DataType odt = o->element_type();
@@ -67,7 +68,8 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                      dim3(static_cast<unsigned>(NC * HV)), kOutThreads,
                      OutputSmem<KD>::bytes(static_cast<int>(V)), stream,
                      static_cast<const In*>(q.untyped_data()),
-                     static_cast<const In*>(k.untyped_data()), G.typed_data(), h.typed_data(),
+                     static_cast<const In*>(k.untyped_data()), G.typed_data(),
+                     static_cast<const bf16*>(h.untyped_data()),
                      v_new.typed_data(),
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
@@ -91,7 +93,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_output, jax_cake_gdn::output_impl,
                                   .Arg<xla::ffi::AnyBuffer>()              // q
                                   .Arg<xla::ffi::AnyBuffer>()              // k
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k

@@ -1,11 +1,13 @@
 // FFI handlers of the state walk and of the fused walk + output (kernel in state_walk.cuh):
 //
 //   jax_cake_gdn_state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
-//                           seg_len) -> h f32[NC, HV, K, V], v_new f32[T, HV, V],
+//                           seg_len) -> h bf16[NC, HV, K, V], v_new f32[T, HV, V],
 //                                       final f32[S, HV, K, V]
 //
 // k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; u f32[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
-// rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K, V in {64, 128}.
+// rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K, V in {64, 128}. The h tape is
+// bf16: the f32 state entering each chunk rounded to nearest, the operand its readers (output,
+// chunk_bwd) used to round it to themselves; the walk itself carries the state in f32.
 //
 //   jax_cake_gdn_walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
 //                            seg_last, seg_len; scale) -> o [T, HV, V] (bf16 or f32, the result
@@ -28,7 +30,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
                            ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> rstd_k,
                            ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                            ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
-                           ffi::Buffer<ffi::S32> seg_len, ffi::ResultBuffer<ffi::F32> h,
+                           ffi::Buffer<ffi::S32> seg_len, ffi::ResultBuffer<ffi::BF16> h,
                            ffi::ResultBuffer<ffi::F32> v_new,
                            ffi::ResultBuffer<ffi::F32> final_state) {
   JCG_CHECK_MSG(check_qk("k", k));
@@ -53,7 +55,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
                 "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions()));
   JCG_CHECK_ARG(dims_are(h->dimensions(), {NC, HV, K, V}),
-                "h must be f32[NC, HV, K, V], got shape " + dims_str(h->dimensions()));
+                "h must be bf16[NC, HV, K, V], got shape " + dims_str(h->dimensions()));
   JCG_CHECK_ARG(dims_are(v_new->dimensions(), {T, HV, V}),
                 "v_new must be f32[T, HV, V], got shape " + dims_str(v_new->dimensions()));
   JCG_CHECK_ARG(dims_are(final_state->dimensions(), {S, HV, K, V}),
@@ -73,7 +75,8 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
                    G.typed_data(), h0.typed_data(),
                    has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                    chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                   seg_last.typed_data(), seg_len.typed_data(), h->typed_data(),
+                   seg_last.typed_data(), seg_len.typed_data(),
+                   static_cast<bf16*>(h->untyped_data()),
                    v_new->typed_data(), final_state->typed_data(), T, static_cast<int>(H),
                    static_cast<int>(HV), static_cast<int>(V), static_cast<int>(NC),
                    static_cast<const In*>(nullptr), static_cast<const float*>(nullptr),
@@ -101,7 +104,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // h
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -174,7 +177,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                        G.typed_data(), h0.typed_data(),
                        has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                        chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                       seg_last.typed_data(), seg_len.typed_data(), static_cast<float*>(nullptr),
+                       seg_last.typed_data(), seg_len.typed_data(), static_cast<bf16*>(nullptr),
                        static_cast<float*>(nullptr), final_state->typed_data(), T,
                        static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
                        static_cast<int>(NC), static_cast<const In*>(q.untyped_data()),

@@ -13,6 +13,9 @@
 // product 2 (only the warp itself reads them). w, k, u, G and rstd of chunk c + 1 stream into
 // staging buffers with cp.async while chunk c computes; the staging is converted to the bf16
 // operand tiles (Ws, Kd) at the top of each chunk.
+// h goes to global as bf16 (the f32 state rounded to nearest: the value chunk_bwd and output use
+// as an operand), with 16-byte stores through a transpose in this warp's columns of the v_new
+// tile before product 1 writes them (state_store_bf16, fwd_common.cuh; no extra shared memory).
 //
 // Unused chunks (after every segment's chunks) get the exit state of the last used chunk, as the
 // xla scan gives; with no used chunk at all they get zeros. Empty segments: final = h0.
@@ -40,6 +43,9 @@
 // K = 64, V = 128: 200-205 registers, 129-145 KB, 1 CTA (8 warps). V = 64 (4 warps, 128
 // threads): K = 128 239 registers, 169 / 201 KB (bf16 / f32), 1 CTA; K = 64 160-167 registers,
 // 105 / 121 KB. No spills.
+// The state walk itself (4 warps, VT = 64, bf16 h store): K = 128 219-220 registers (168 with the
+// former f32 h store), 110 / 126 KB (bf16 / f32 k): 2 / 1 CTAs per SM; K = 64 168 registers,
+// 70 / 78 KB: 3 / 2 CTAs per SM. No spills.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -121,7 +127,7 @@ __global__ void __launch_bounds__(walk_threads<VT>())
                       const float* __restrict__ h0, const float* __restrict__ rstd,  // nullable
                       const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                       const int32_t* __restrict__ seg_first, const int32_t* __restrict__ seg_last,
-                      const int32_t* __restrict__ seg_len, float* __restrict__ h,
+                      const int32_t* __restrict__ seg_len, bf16* __restrict__ h,
                       float* __restrict__ v_new, float* __restrict__ final_state,
                       int64_t num_tokens, int H, int HV, int V, int NC,
                       const In* __restrict__ qin, const float* __restrict__ rstd_q,  // nullable
@@ -168,15 +174,8 @@ __global__ void __launch_bounds__(walk_threads<VT>())
     state_rw<K>(S, fin, V, true);
     // No used chunk at all (no tokens): every h is the zero state, written by segment 0.
     if (!kOutput && s == 0 && NC > 0 && clen[0] <= 0) {
-      for (int c = 0; c < NC; ++c) {
-        float* hp = h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0;
-#pragma unroll
-        for (int nt = 0; nt < K / 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            hp[static_cast<int64_t>(8 * nt + 2 * q + (e & 1)) * V + 16 * warp + g +
-               8 * (e >> 1)] = 0.f;
-      }
+      for (int c = 0; c < NC; ++c)
+        state_zero_bf16<K>(h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
     }
     return;
   }
@@ -306,8 +305,11 @@ __global__ void __launch_bounds__(walk_threads<VT>())
         for (int nv = 0; nv < 2; ++nv) oacc[mt][nv][0] = oacc[mt][nv][1] = oacc[mt][nv][2] =
             oacc[mt][nv][3] = 0.f;
     } else {
-      // h[c] = S (the state entering the chunk)
-      state_rw<K>(S, h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
+      // h[c] = S (the state entering the chunk), as bf16 through this warp's (free) columns of
+      // the v_new tile: product 2 of chunk c - 1 read them before the barriers above, and
+      // v_new is written to them below (state_store_bf16 ends with __syncwarp)
+      state_store_bf16<K, NP>(S, h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V,
+                              Vn);
     }
 
     // product 1: v_new = u - Ws S (and with kOutput, oacc = Q S: the same fragments of S with
@@ -397,7 +399,8 @@ __global__ void __launch_bounds__(walk_threads<VT>())
   // The last used chunk's segment also fills the unused chunks' h with its exit state.
   if (!kOutput && c_last + 1 < NC && clen[c_last + 1] <= 0) {
     for (int c = c_last + 1; c < NC; ++c)
-      state_rw<K>(S, h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
+      state_store_bf16<K, NP>(S, h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V,
+                              Vn);
   }
 }
 

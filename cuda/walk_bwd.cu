@@ -2,7 +2,8 @@
 //
 //   jax_cake_gdn_walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len,
 //                         seg_first, seg_last, seg_len; scale)
-//       -> dS_end f32[NC, HV, K, V], dh0 f32[S, HV, K, V]
+//       -> dS_end bf16[NC, HV, K, V] (rounded to nearest from the f32 carried gradient: chunk_bwd
+//          uses it only as a bf16 operand), dh0 f32[S, HV, K, V]
 //
 // q, k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
 // dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64] (the saved Att) or f32[1] (recompute);
@@ -29,7 +30,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                          ffi::Buffer<ffi::S32> seg_len, float scale,
-                         ffi::ResultBuffer<ffi::F32> dS_end, ffi::ResultBuffer<ffi::F32> dh0) {
+                         ffi::ResultBuffer<ffi::BF16> dS_end, ffi::ResultBuffer<ffi::F32> dh0) {
   JCG_CHECK_MSG(check_qk("q", q));
   JCG_CHECK_MSG(check_qk("k", k));
   const auto qd = q.dimensions();
@@ -64,7 +65,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                 "scores must be f32[NC, HV, 64, 64] or f32[1] (recompute), got shape " +
                     dims_str(scd));
   JCG_CHECK_ARG(dims_are(dS_end->dimensions(), {NC, HV, K, V}),
-                "dS_end must be f32[NC, HV, K, V], got shape " + dims_str(dS_end->dimensions()));
+                "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end->dimensions()));
   JCG_CHECK_ARG(dims_are(dh0->dimensions(), {S, HV, K, V}),
                 "dh0 must be f32[S, HV, K, V], got shape " + dims_str(dh0->dimensions()));
 
@@ -88,7 +89,8 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                      chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                     seg_last.typed_data(), seg_len.typed_data(), dS_end->typed_data(),
+                     seg_last.typed_data(), seg_len.typed_data(),
+                     static_cast<bf16*>(dS_end->untyped_data()),
                      dh0->typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
                      static_cast<int>(V), static_cast<int>(NC), scale);
       });
@@ -119,6 +121,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_bwd, jax_cake_gdn::walk_bwd_impl
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
                                   .Attr<float>("scale")
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dS_end
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // dS_end
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // dh0
                               {xla::ffi::Traits::kCmdBufferCompatible});

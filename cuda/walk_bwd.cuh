@@ -40,18 +40,25 @@
 // instructions of the VT = 64 instantiations is the v0 kernel's, and VT = 128's is VT = 64's
 // without the half of the Att products and gates that the other column group's warps now do.)
 //
-// Cost (ptxas -v, sm_90a, nvcc 13.0, CMakeLists.txt flags; no spills, no stack frame, 1 barrier;
-// dynamic shared memory without / with saved scores; 1 CTA per SM except K = V = 64 bf16 without
-// scores, 2):
-//   K = V = 128, bf16, VT = 128 (8 warps):  250 registers, 192 / 208 KB (dO staging 16 KB; dOs,
+// Cost (ptxas -v, sm_90a, nvcc 13.0, CMakeLists.txt flags, with the bf16 dS_end store; no spills,
+// no stack frame, 1 barrier; dynamic shared memory without / with saved scores; 1 CTA per SM
+// except K = V = 64 bf16 without scores, 2):
+//   K = V = 128, bf16, VT = 128 (8 warps):  251 registers, 192 / 208 KB (dO staging 16 KB; dOs,
 //       dOg, Dvn 17 KB each; Q, K, W tiles 17 KB each; Att 9 KB): 8 warps per SM
-//   K = V = 128, f32,  VT = 64  (4 warps):  251 registers, 200 / 216 KB: 4 warps per SM
+//   K = V = 128, f32,  VT = 64  (4 warps):  167 registers, 200 / 216 KB: 4 warps per SM
 //       (at VT = 128 it would need 240 / 256 KB)
-//   K = 64, V = 128, VT = 128 (8 warps):    bf16 251 registers, 136 / 152 KB; f32 252, 168 / 184 KB
-//   V = 64, VT = 64 (4 warps):              K = 128: bf16 251 registers, 160 / 176 KB; f32 251,
-//       200 / 216 KB. K = 64: bf16 168, 104 / 120 KB; f32 165, 128 / 144 KB
+//   K = 64, V = 128, VT = 128 (8 warps):    bf16 251 registers, 136 / 152 KB; f32 251, 168 / 184 KB
+//   V = 64, VT = 64 (4 warps):              K = 128: bf16 168 registers, 160 / 176 KB; f32 167,
+//       200 / 216 KB. K = 64: bf16 168, 104 / 120 KB; f32 162, 128 / 144 KB
+// (with the f32 dS_end store: 250 at K = V = 128 bf16, 251-252 at K = 128 VT = 64 and at
+// K = 64 VT = 128, 165 at K = V = 64 f32; the same CTAs per SM)
 // (v0 ran every shape at VT = 64: K = V = 128 bf16 was 252 registers, 160 / 176 KB, two 4-warp
 // CTAs per (segment, head), 4 warps per SM, both recomputing Att and loading w, q, k.)
+//
+// dS_end goes to global as bf16 (the f32 gradient rounded to nearest: the operand chunk_bwd used to
+// round it to itself), with 16-byte stores through a transpose in this warp's columns of the Dvn
+// tile before this chunk's -dvn is written there (state_store_bf16, fwd_common.cuh; no extra
+// shared memory). The carried dS stays f32.
 //
 // Unused chunks (length 0, after every segment's chunks) get dS_end = 0, as the xla reverse scan
 // gives (its carry starts at zero there); the last used chunk's segment writes them, or segment 0
@@ -128,14 +135,6 @@ __device__ __forceinline__ void wb_state_rw(float (&S)[K / 8][4], float* base, i
   }
 }
 
-template <int K>
-__device__ __forceinline__ void wb_state_zero(float* base, int V) {
-  float Z[K / 8][4];
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt) Z[nt][0] = Z[nt][1] = Z[nt][2] = Z[nt][3] = 0.f;
-  wb_state_rw<K>(Z, base, V, true);
-}
-
 template <typename In, int K, int VT>
 __global__ void __launch_bounds__(wb_threads<VT>())
     walk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k,
@@ -146,7 +145,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
                     const float* __restrict__ rstd_k,  // nullable
                     const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                     const int32_t* __restrict__ seg_first, const int32_t* __restrict__ seg_last,
-                    const int32_t* __restrict__ seg_len, float* __restrict__ dS_end,
+                    const int32_t* __restrict__ seg_len, bf16* __restrict__ dS_end,
                     float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
                     float scale) {
   static_assert(VT == 64 || VT == 128, "4 or 8 warps");
@@ -197,7 +196,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
     // No used chunk at all (no tokens): every dS_end is zero, written by segment 0.
     if (s == 0 && NC > 0 && clen[0] <= 0) {
       for (int c = 0; c < NC; ++c)
-        wb_state_zero<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
+        state_zero_bf16<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
     }
     return;
   }
@@ -296,8 +295,11 @@ __global__ void __launch_bounds__(wb_threads<VT>())
     __syncthreads();  // tiles ready; staging free
     if (c > c_first) prefetch(c - 1);
 
-    // dS_end[c] = the carried gradient
-    wb_state_rw<K>(S, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, true);
+    // dS_end[c] = the carried gradient, as bf16 through this warp's (free) columns of the Dvn
+    // tile: the last product of chunk c + 1 read them before the barriers above, and -dvn is
+    // written to them below (state_store_bf16 ends with __syncwarp)
+    state_store_bf16<K, OP>(S, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0,
+                            V, Dvn);
 
     if (scores == nullptr) {
       // This warp's part of Att = Gam o (Q K^T), bf16 into the shared tile: rows 16 (warp % 4)..,
@@ -391,7 +393,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
   // The last used chunk's segment also zeroes the unused chunks' dS_end.
   if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
     for (int c = c_last + 1; c < NC; ++c)
-      wb_state_zero<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
+      state_zero_bf16<K>(dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
   }
 }
 

@@ -2,9 +2,11 @@
 
 CPU host: `gdn(..., backend="cuda")` lowers for the cuda platform to the forward custom calls with
 no while loop of its own (light: the fused walk_output, never state_walk or output; full:
-state_walk and output); unsupported head dims raise ValueError naming K or V (backend="cuda")
+state_walk, whose h tape is bf16, and output, which takes it); unsupported head dims raise ValueError naming K or V (backend="cuda")
 or fall back to xla (backend=None); wrappers reject bad inputs by name.
-GPU host: each cuda primitive against its xla twin on the same inputs (prep's A within 5e-4),
+GPU host: each cuda primitive against its xla twin on the same inputs (prep's A within 5e-4; the
+cuda state walk's h tape is bf16 and is compared after casting, the cuda output gets xla's h
+rounded to bf16),
 prep's w, u bitwise equal to the cuda wy on prep's A (the light backward's replay), the fused
 walk_output against the separate cuda state_walk + output (<= 1e-3), and `gdn(backend="cuda")`
 against the float64 reference (relative RMS <= 1e-2), on uneven documents (1, 63, 64, 65, 1000
@@ -106,6 +108,7 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         h, vn, fin = X.state_walk(k, w, u, G, h0, rk, ct)
         hc, vnc, finc = C.state_walk(k, w, u, G, h0, rk, ct)
         out["h"], out["v_new"], out["final"] = (hc, h), (vnc, vn), (finc, fin)
+        hb = h.astype(jnp.bfloat16)  # the cuda output takes the h tape in bf16
         # the fused walk + output: vs xla, and vs the separate cuda kernels (keys "...~sep")
         ow, finw = X.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale, out_dtype=v.dtype)
         owc, finwc = C.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale,
@@ -118,9 +121,9 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         out["walk_output.o~sep"], out["walk_output.final~sep"] = (owc, osep), (finwc, finc)
         o, sc = X.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
                          with_scores=True)
-        oc, scc = C.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
+        oc, scc = C.output(q, k, G, hb, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
                            with_scores=True)
-        oc2, none = C.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype)
+        oc2, none = C.output(q, k, G, hb, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype)
         out["o"], out["scores"], out["o_noscores"] = (oc, o), (scc, sc), (oc2, o)
         assert none is None
         return out
@@ -178,6 +181,14 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     unwanted = {"wy"} | ({"state_walk", "output"} if save_mode == "light" else {"walk_output"})
     assert not targets & unwanted, targets
     assert "stablehlo.while" not in hlo
+    if save_mode == "full":  # the h tape: bf16 out of state_walk, into output
+        sw = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_state_walk" in ln]
+        out = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_output" in ln]
+        assert len(sw) == 1 and len(out) == 1, (sw, out)
+        assert re.search(r"-> \(tensor<\d+x6x128x128xbf16>, tensor<300x6x128xf32>, "
+                         r"tensor<5x6x128x128xf32>\)", sw[0]), sw[0]
+        assert re.search(r"tensor<300x6xf32>, tensor<\d+x6x128x128xbf16>, tensor<300x6x128xf32>",
+                         out[0]), out[0]
     xla_hlo = _lower_cuda(_fwd("xla", qk_l2norm, save_mode), *args)
     assert "stablehlo.while" in xla_hlo  # the xla walk is a scan: the check can fail
 
@@ -266,9 +277,14 @@ def test_bad_inputs_raise_value_error():
     s = jnp.zeros((3,), jnp.int32)
     with pytest.raises(ValueError, match="h0"):
         cuda.state_walk(k, w, u, f, jnp.zeros((2, HV, K, V)), None, cs, cs, s, s, s)
+    hb = jnp.zeros((NC, HV, K, V), jnp.bfloat16)
     with pytest.raises(ValueError, match="out_dtype"):
-        cuda.output(k, k, f, jnp.zeros((NC, HV, K, V)), u, None, None, cs, cs, scale=1.0,
-                    out_dtype=jnp.float16)
+        cuda.output(k, k, f, hb, u, None, None, cs, cs, scale=1.0, out_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="h must be bfloat16"):
+        cuda.output(k, k, f, hb.astype(jnp.float32), u, None, None, cs, cs, scale=1.0,
+                    out_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="h must have shape"):
+        cuda.output(k, k, f, hb[:2], u, None, None, cs, cs, scale=1.0, out_dtype=jnp.bfloat16)
     h0 = jnp.zeros((3, HV, K, V))
     walk_output = lambda q=k, kk=k, h0=h0, rq=None, dt=jnp.bfloat16: cuda.walk_output(
         q, kk, w, u, f, h0, rq, None, cs, cs, s, s, s, scale=1.0, out_dtype=dt)
@@ -305,6 +321,7 @@ def test_gpu_primitives_match_xla(cfg):
     inp = make_inputs(zlib.crc32(name.encode()), docs, H=H, HV=HV, K=K, V=V, dtype=dtype,
                       qk_l2norm=l2, initial_state=h0)
     pairs = primitive_pairs(inp, l2)
+    assert pairs["h"][0].dtype == jnp.bfloat16 and pairs["h"][1].dtype == jnp.float32
     errs = {}
     for key, (c, x) in pairs.items():
         c, x = np.asarray(c, np.float64), np.asarray(x, np.float64)

@@ -207,8 +207,11 @@ def gate_cumsum(g, chunk_start, chunk_len):
 
 # ------------------------------------------------------------------------------------------------
 # Forward kernels (cuda/prep.cu, state_walk.cu, output.cu, l2norm.cu). Interfaces follow
-# primitives/xla.py with the chunk table passed as arrays; intermediates (A, w, u, h, v_new) are
-# float32 exactly as there. q/k/v may be bfloat16 or float32 (same dtype); matrix products run on
+# primitives/xla.py with the chunk table passed as arrays; intermediates (A, w, u, v_new) are
+# float32 exactly as there, but the state tape h is bfloat16 (the f32 state rounded to nearest:
+# every kernel that reads it used it only as a bf16 operand), as is the backward's dS_end. The
+# cuda primitives therefore do not mix with the xla ones at h / dS_end (primitives/__init__.py:
+# one backend per call). q/k/v may be bfloat16 or float32 (same dtype); matrix products run on
 # bf16 tensor cores with float32 accumulation.
 # ------------------------------------------------------------------------------------------------
 
@@ -270,6 +273,16 @@ def _out_dtype(fn: str, out_dtype):
 def _f32(fn: str, name: str, x, shape):
     x = jnp.asarray(x)
     _check(x.dtype == np.float32, f"{fn}: {name} must be float32, got {x.dtype}")
+    _check(tuple(x.shape) == tuple(shape),
+           f"{fn}: {name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    return x
+
+
+def _bf16(fn: str, name: str, x, shape, what: str):
+    """A bfloat16 state tape (h, dS_end) of the given shape; `what` says where it comes from."""
+    x = jnp.asarray(x)
+    _check(x.dtype == jnp.bfloat16,
+           f"{fn}: {name} must be bfloat16 ({what}), got {x.dtype}")
     _check(tuple(x.shape) == tuple(shape),
            f"{fn}: {name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
     return x
@@ -380,8 +393,10 @@ def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
 def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len):
     """Walk each segment's chunks in order from its entry state h0 [S, HV, K, V].
 
-    Returns h [NC, HV, K, V] (the state entering each chunk), v_new [T, HV, V] and the exit state
-    of each segment [S, HV, K, V] (h0 itself for an empty segment), all float32.
+    Returns h bfloat16 [NC, HV, K, V] (the state entering each chunk, rounded to nearest from the
+    walk's f32 state: the value `output` and `chunk_bwd` use as an operand), v_new float32
+    [T, HV, V] and the exit state of each segment float32 [S, HV, K, V] (h0 itself for an empty
+    segment). xla.state_walk returns the same h in float32.
     """
     fn = "state_walk"
     k = _qkv(fn, "k", k)
@@ -399,7 +414,7 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
     S = sl.shape[0]
     h0 = _f32(fn, "h0", h0, (S, HV, K, V))
     r = _rstd(fn, "rstd_k", rstd_k, T, H)
-    return tuple(_call(fn, [((NC, HV, K, V), jnp.float32), ((T, HV, V), jnp.float32),
+    return tuple(_call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.float32),
                             ((S, HV, K, V), jnp.float32)],
                        k, w, u, G, h0, r, cs, cl, sf, sla, sl))
 
@@ -407,7 +422,8 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
 def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
            out_dtype, with_scores: bool = False):
     """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att [NC, HV, 64, 64] f32 if asked
-    (else None)."""
+    (else None). h: bfloat16 [NC, HV, K, V], as `state_walk` returns it (an f32 h, e.g. xla's,
+    must be cast first: `h.astype(jnp.bfloat16)` is the rounding the kernel used to apply)."""
     fn = "output"
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
@@ -419,7 +435,7 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
-    h = _f32(fn, "h", h, (NC, HV, K, V))
+    h = _bf16(fn, "h", h, (NC, HV, K, V), "the state walk's tape")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
@@ -471,8 +487,10 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     q, k: bf16/f32 [T, H, K]; w f32[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
     the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64]
     (the saved Att) or None (recomputed in the kernel); rstd_q, rstd_k f32[T, H] or None.
-    Returns dS_end f32[NC, HV, K, V] (gradient of each chunk's exit state; 0 for unused chunks)
-    and dh0 f32[S, HV, K, V] (gradient of each segment's entry state; dfinal for an empty one).
+    Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
+    from the walk's f32 gradient: `chunk_bwd` uses it only as a bf16 operand; 0 for unused chunks;
+    xla.walk_bwd returns it in float32) and dh0 f32[S, HV, K, V] (gradient of each segment's entry
+    state; dfinal for an empty one).
     """
     fn = "walk_bwd"
     q, k = _qk(fn, q, k)
@@ -496,7 +514,7 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
         sc = _f32(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
-    dS_end, dh0 = _call(fn, [((NC, HV, K, V), jnp.float32), ((S, HV, K, V), jnp.float32)],
+    dS_end, dh0 = _call(fn, [((NC, HV, K, V), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
                         q, k, w, G, do, dfinal, sc, rq, rk, cs, cl, sf, sla, sl,
                         scale=np.float32(scale))
     return dS_end, dh0
@@ -509,7 +527,10 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
 
     q, k: bf16/f32 [T, H, K]; v [T, HV, V] in q's dtype; do [T, HV, V] (cast to q's dtype: the
     kernel rounds it to bf16 anyway); beta, G f32[T, HV]; A f32[NC, HV, 64, 64]; h, dS_end
-    f32[NC, HV, K, V]; v_new f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or None.
+    bf16[NC, HV, K, V] (as the cuda `state_walk` and `walk_bwd` return them; f32 ones from the xla
+    primitives must be cast first, which rounds them as this kernel did before it took bf16);
+    v_new f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or None. h and dS_end enter every product as
+    bf16 operands and e^{G_C} sum(dS_end o h) (dg) sums their bf16 values in f32.
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
     The kernel gives per-value-head dq, dk w.r.t. the normalised q, k; `l2norm_bwd` (a second
     kernel) sums the GVA groups and applies the L2-norm backward.
@@ -531,9 +552,9 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
     A = _f32(fn, "A", A, (NC, HV, _CHUNK, _CHUNK))
-    h = _f32(fn, "h", h, (NC, HV, K, V))
+    h = _bf16(fn, "h", h, (NC, HV, K, V), "the cuda state walk's tape")
     v_new = _f32(fn, "v_new", v_new, (T, HV, V))
-    dS_end = _f32(fn, "dS_end", dS_end, (NC, HV, K, V))
+    dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     f32 = jnp.float32
