@@ -413,10 +413,23 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   uint32_t lhi[3][4], llo[3][4];
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
+    // warp-uniform: n-tiles left of the diagonal block are all i > j, right of it all zero
+    // (the values are those of the one select, i > j ? ... : 0, either way)
+    if (nt < 2 * warp) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
-      acc[nt][e] = i > j ? sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e] : 0.f;
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
+        acc[nt][e] = sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e];
+      }
+    } else if (nt < 2 * warp + 2) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
+        const float x = sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e];
+        acc[nt][e] = i > j ? x : 0.f;
+      }
+    } else {
+      acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     }
     if ((nt >> 1) == warp) {
       const int col = 8 * (nt & 1) + 2 * q;
