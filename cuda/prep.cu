@@ -72,6 +72,11 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
     using In = typename decltype(tag)::type;
     dispatch_head_dim(K, [&](auto kdim) {
       constexpr int KD = decltype(kdim)::value;
+      // 4 CTAs/SM (<= 128 registers, 4 x (52.5 + 1) KB shared) need the largest carveout.
+      err = cudaFuncSetAttribute(prep_kernel<In, KD>,
+                                 cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      if (err != cudaSuccess) return;
       err = launch(prep_kernel<In, KD>, dim3(static_cast<unsigned>(NC * HV)), kPrepThreads,
                    PrepSmem<KD>::bytes, stream, static_cast<const In*>(k.untyped_data()),
                    static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),

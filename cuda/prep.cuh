@@ -7,6 +7,9 @@
 //
 // k (normalised by rstd_k when given) and v are rounded to bf16 in shared memory; K K^T, A Kb and
 // A Vb run on tensor cores (mma.sync m16n8k16, f32 accumulate; warp w owns rows 16w..16w+15).
+// prep reads k once for both of its scaled copies; with bf16 inputs k and v arrive by cp.async
+// and are scaled in place (v only after the diagonal solve, so its load hides behind K K^T).
+// prep runs 4 CTAs/SM (__launch_bounds__(128, 4): <= 128 registers; 52.5 KB shared each).
 // prep and wy build w and u with the same code from the same bf16 values (wy_load_tiles,
 // wy_store), so prep's w, u equal wy's on prep's A bit for bit (light == full in the backward).
 //
@@ -190,6 +193,8 @@ struct PrepSmem {
   static constexpr size_t kA = kKr > kAf ? kKr : kAf;  // the k tile, then A (after K K^T)
   static constexpr size_t kX = WySmem::kX;
   static constexpr size_t bytes = kA + 2 * kX + 2 * kChunk * sizeof(float);
+  // 4 CTAs/SM: 228 KB per SM, 1 KB reserved per CTA
+  static_assert(4 * (bytes + 1024) <= 228 * 1024, "prep no longer fits 4 CTAs/SM");
 };
 
 // Warp w's 16 x 16 f32 scratch (pitch AP) inside A's upper triangle, which is never stored:
@@ -214,8 +219,117 @@ __device__ __forceinline__ void prep_write_a(float* __restrict__ out, const floa
   }
 }
 
+// prep's k tile, loaded once for both of its bf16 copies: Kr = k diag(rstd) (pitch kp, for
+// K K^T) and Ks = k diag(beta e^G rstd) (pitch kWyXP, for w). The scales and roundings are
+// wy_load_tiles' and load_tile_bf16's (bf16(float(x) * s), s = (beta * e^G) * rstd), so Ks equals
+// wy's Ks bit for bit.
+//
+// bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (rows t >= len zero-filled) and
+// the thread that copied a 16-byte chunk later rescales that same chunk in place (so its own
+// cp.async.wait is all it needs): k now (prep_k_finish), v after the diagonal solve
+// (prep_v_finish), which hides v's load behind K K^T and the solve and keeps no load data in
+// registers. f32 inputs: through registers (one global read of k, two shared stores).
+template <int D>
+__device__ __forceinline__ void prep_async_tile(bf16* dst, const bf16* src, int64_t row_stride,
+                                                int len) {
+  constexpr int kVpr = D / 8, kPer = kChunk * kVpr / kPrepThreads;
+  static_assert(kChunk * kVpr % kPrepThreads == 0, "tile does not split evenly");
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int idx = threadIdx.x + j * kPrepThreads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+    cp_async16(dst + t * kWyXP + c8, src + min(t, len - 1) * row_stride + c8, t < len);
+  }
+}
+
+// Per-row k scales of this thread's k chunks (row t = (tid + j * threads) / (K / 8), clamped):
+// rs = rstd, ks = beta e^G rstd, evaluated as in wy_load_tiles.
+template <int K>
+struct PrepKScales {
+  static constexpr int kPer = kChunk * (K / 8) / kPrepThreads;
+  float rs[kPer], ks[kPer];
+  __device__ __forceinline__ void load(const float* bt, const float* gt, const ScaleRstd& r,
+                                       int len, int HV) {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int t = min(static_cast<int>((threadIdx.x + j * kPrepThreads) / (K / 8)), len - 1);
+      rs[j] = r(t);
+      ks[j] = __ldg(bt + t * HV) * __expf(__ldg(gt + t * HV)) * rs[j];
+    }
+  }
+};
+
+// bf16: this thread's raw k chunks in Ks (its cp.async group done) -> Kr and Ks (in place).
+template <int K>
+__device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
+                                              const PrepKScales<K>& sc, int len) {
+  constexpr int kVpr = K / 8;
+#pragma unroll
+  for (int j = 0; j < PrepKScales<K>::kPer; ++j) {
+    const int idx = threadIdx.x + j * kPrepThreads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+    if (t < len) {
+      float f[8];
+      lds8(Ks + t * kWyXP + c8, f);
+      sts8_bf16(Kr + t * kp + c8, f, sc.rs[j]);
+      sts8_bf16(Ks + t * kWyXP + c8, f, sc.ks[j]);
+    } else {
+      sts8_zero(Kr + t * kp + c8);  // Ks: zero-filled by cp.async
+    }
+  }
+}
+
+// bf16: this thread's raw v chunks in Vs (all its cp.async groups done) -> v diag(beta) in place
+// (sb: beta per row, as loaded for L).
+template <int V>
+__device__ __forceinline__ void prep_v_finish(bf16* Vs, const float* sb, int len) {
+  constexpr int kVpr = V / 8, kPer = kChunk * kVpr / kPrepThreads;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int idx = threadIdx.x + j * kPrepThreads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+    if (t < len) {
+      float f[8];
+      lds8(Vs + t * kWyXP + c8, f);
+      sts8_bf16(Vs + t * kWyXP + c8, f, sb[t]);
+    }
+  }
+}
+
+// f32: k rows -> Kr and Ks through registers, NB chunks per thread in flight (load_tile_bf16's
+// batching); then v as in wy_load_tiles.
+template <int K>
+__device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, const float* src,
+                                                int64_t row_stride, int len, const float* bt,
+                                                const float* gt, const ScaleRstd& r, int HV) {
+  constexpr int kVpr = K / 8, kPer = kChunk * kVpr / kPrepThreads, kNB = 4;
+  static_assert(kPer % kNB == 0, "tile does not split evenly");
+#pragma unroll 1
+  for (int b0 = 0; b0 < kPer; b0 += kNB) {
+    float f[kNB][8], rs[kNB], ks[kNB];
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      const int idx = threadIdx.x + (b0 + j) * kPrepThreads, t = idx / kVpr,
+                c8 = (idx % kVpr) * 8;
+      const int tt = min(t, len - 1);
+      load8(src + tt * row_stride + c8, f[j]);
+      rs[j] = r(tt);
+      ks[j] = __ldg(bt + tt * HV) * __expf(__ldg(gt + tt * HV)) * rs[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kNB; ++j) {
+      const int idx = threadIdx.x + (b0 + j) * kPrepThreads, t = idx / kVpr,
+                c8 = (idx % kVpr) * 8;
+      if (t < len) {
+        sts8_bf16(Kr + t * kp + c8, f[j], rs[j]);
+        sts8_bf16(Ks + t * kWyXP + c8, f[j], ks[j]);
+      } else {
+        sts8_zero(Kr + t * kp + c8);
+        sts8_zero(Ks + t * kWyXP + c8);
+      }
+    }
+  }
+}
+
 template <typename In, int K>
-__global__ void __launch_bounds__(kPrepThreads)
+__global__ void __launch_bounds__(kPrepThreads, 4)
     prep_kernel(const In* __restrict__ k, const In* __restrict__ v,
                 const float* __restrict__ beta, const float* __restrict__ G,
                 const float* __restrict__ rstd,  // nullable
@@ -243,14 +357,41 @@ __global__ void __launch_bounds__(kPrepThreads)
     return;
   }
 
-  load_tile_bf16<kChunk, K, 8, kPrepThreads>(Kr, KP, k + hk * K + cs.start * H * K,
-                                             int64_t{H} * K, len,
-                                             ScaleRstd{rstd, cs.start, H, hk});
-  wy_load_tiles<In, K>(Ks, Vs, k, v, beta, G, rstd, cs, hv, hk, H, HV, V);
+  constexpr bool kAsync = std::is_same<In, bf16>::value;
+  const In* ksrc = k + hk * K + cs.start * H * K;
+  const In* vsrc = v + int64_t{hv} * V + cs.start * HV * V;
+  const float* bt = beta + cs.start * HV + hv;
+  const float* gt = G + cs.start * HV + hv;
+  const ScaleRstd rs{rstd, cs.start, H, hk};
+  if constexpr (kAsync) {
+    prep_async_tile<K>(Ks, ksrc, int64_t{H} * K, len);
+    cp_async_commit();
+    if (V == 64) {
+      prep_async_tile<64>(Vs, vsrc, int64_t{HV} * V, len);
+    } else {
+      prep_async_tile<128>(Vs, vsrc, int64_t{HV} * V, len);
+    }
+    cp_async_commit();
+  }
   if (tid < kChunk) {
     const int t = tid;
     sg[t] = G[(cs.start + min(t, len - 1)) * HV + hv];
     sb[t] = t < len ? beta[(cs.start + t) * HV + hv] : 0.f;
+  }
+  if constexpr (kAsync) {
+    PrepKScales<K> sc;
+    sc.load(bt, gt, rs, len, HV);
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's k chunks
+    prep_k_finish<K>(Kr, KP, Ks, sc, len);
+  } else {
+    prep_load_k_f32<K>(Kr, KP, Ks, reinterpret_cast<const float*>(ksrc), int64_t{H} * K, len,
+                       bt, gt, rs, HV);
+    const auto sv = [&](int t) { return __ldg(bt + t * HV); };
+    if (V == 64) {
+      load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len, sv);
+    } else {
+      load_tile_bf16<kChunk, 128, 8, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len, sv);
+    }
   }
   __syncthreads();
 
@@ -272,10 +413,23 @@ __global__ void __launch_bounds__(kPrepThreads)
   uint32_t lhi[3][4], llo[3][4];
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt) {
+    // warp-uniform: n-tiles left of the diagonal block are all i > j, right of it all zero
+    // (the values are those of the one select, i > j ? ... : 0, either way)
+    if (nt < 2 * warp) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
-      acc[nt][e] = i > j ? sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e] : 0.f;
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
+        acc[nt][e] = sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e];
+      }
+    } else if (nt < 2 * warp + 2) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
+        const float x = sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e];
+        acc[nt][e] = i > j ? x : 0.f;
+      }
+    } else {
+      acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
     }
     if ((nt >> 1) == warp) {
       const int col = 8 * (nt & 1) + 2 * q;
@@ -311,6 +465,14 @@ __global__ void __launch_bounds__(kPrepThreads)
   __syncwarp();
   uint32_t dhi[4], dlo[4];  // A_ww, split
   split_a(Aww, AP, dhi, dlo);
+  if constexpr (kAsync) {  // v diag(beta), this thread's chunks (read by wy_store after barriers)
+    cp_async_wait_all();
+    if (V == 64) {
+      prep_v_finish<64>(Vs, sb, len);
+    } else {
+      prep_v_finish<128>(Vs, sb, len);
+    }
+  }
   __syncthreads();
 
   // Off-diagonal blocks by distance: warp i >= d computes A_{i, i-d}.
