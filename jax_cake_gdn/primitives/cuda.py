@@ -575,7 +575,8 @@ __all__ += ["conv_fwd", "conv_bwd", "conv_partials"]
 
 CONV_MAX_WIDTH = 4
 _CONV_MIN_TOKENS = 64  # the backward's token block per dweight partial: at least this many
-_CONV_MAX_PARTIALS = 256  # and at most this many partials (workspace f32[NB, C, W])
+_CONV_MAX_PARTIALS = 128  # and at most this many partials (workspace f32[NB, C, W]: 21 MB at
+# C = 10240, W = 4; each backward CTA then walks >= 4 tiles of 64 tokens at T = 32768)
 
 
 def conv_partials(T: int) -> int:
