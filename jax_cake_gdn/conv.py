@@ -130,7 +130,7 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
     """Causal depthwise conv of width W <= 4 per document, then SiLU (or none).
 
     Args:
-      x: [B, T, C] bfloat16 or float32.  weight: [C, W].
+      x: [B, T, C] bfloat16 or float32.  weight: [C, W] bfloat16 or float32.
       cu_seqlens: optional int32 [N + 1] document bounds (B == 1); may be traced.
       activation: "silu" or None.
       backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
@@ -153,6 +153,8 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
         raise ValueError(f"weight width W must be in 1..{MAX_WIDTH}, got {weight.shape[1]}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if weight.dtype not in (jnp.bfloat16, jnp.float32):  # the same rule on every backend
+        raise TypeError(f"weight must be bfloat16 or float32, got {weight.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     if backend not in (None, "xla", "cuda"):
