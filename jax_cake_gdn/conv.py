@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import primitives
 from .checks import check_cu_seqlens
 
 __all__ = ["short_conv"]
@@ -55,21 +56,6 @@ def _conv_cuda_bwd(activation, res, dy):
 
 
 _conv_cuda.defvjp(_conv_cuda_fwd, _conv_cuda_bwd)
-
-
-def _use_cuda(backend: str | None) -> bool:
-    """The backend rule of gdn (primitives.resolve): None -> cuda when the extension is built and
-    a GPU is visible; "cuda" -> RuntimeError when the extension is missing."""
-    from . import primitives
-    from .primitives import cuda
-
-    if backend is None:
-        return primitives.cuda_ready()
-    if backend == "cuda":
-        if not cuda.require():
-            raise RuntimeError(f"backend='cuda' requested but {cuda.unavailable_reason()}")
-        return True
-    return False
 
 
 def _conv_kcp(x, weight, cu, axis_name, layout, activation):
@@ -130,7 +116,7 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
     """Causal depthwise conv of width W <= 4 per document, then SiLU (or none).
 
     Args:
-      x: [B, T, C] bfloat16 or float32.  weight: [C, W].
+      x: [B, T, C] bfloat16 or float32.  weight: [C, W] bfloat16 or float32.
       cu_seqlens: optional int32 [N + 1] document bounds (B == 1); may be traced.
       activation: "silu" or None.
       backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
@@ -153,6 +139,8 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
         raise ValueError(f"weight width W must be in 1..{MAX_WIDTH}, got {weight.shape[1]}")
     if x.dtype not in (jnp.bfloat16, jnp.float32):
         raise TypeError(f"x must be bfloat16 or float32, got {x.dtype}")
+    if weight.dtype not in (jnp.bfloat16, jnp.float32):  # the same rule on every backend
+        raise TypeError(f"weight must be bfloat16 or float32, got {weight.dtype}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     if backend not in (None, "xla", "cuda"):
@@ -171,6 +159,6 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
         check_cu_seqlens(cu_seqlens, B, T)
         bounds = cu_seqlens
     pos = doc_positions(bounds, B * T)
-    conv = _conv_cuda if _use_cuda(backend) else _conv_packed
+    conv = _conv_cuda if primitives.use_cuda(backend) else _conv_packed
     y = conv(x.reshape(B * T, C), weight, pos, activation)
     return y.reshape(B, T, C)

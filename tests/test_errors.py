@@ -84,3 +84,12 @@ def test_traced_cu_seqlens_is_accepted_under_jit(args):
 def test_short_conv_bad_input(x_shape, w_shape, kw, exc, text):
     with pytest.raises(exc, match=text):
         J.short_conv(jnp.ones(x_shape), jnp.ones(w_shape), **kw)
+
+
+@pytest.mark.parametrize("backend", ["xla", None])
+def test_short_conv_dtypes_same_rule_on_every_backend(backend):
+    x, w = jnp.ones((1, 10, 4)), jnp.ones((4, 3))
+    with pytest.raises(TypeError, match="x must be bfloat16 or float32, got float16"):
+        J.short_conv(x.astype(jnp.float16), w, backend=backend)
+    with pytest.raises(TypeError, match="weight must be bfloat16 or float32, got float16"):
+        J.short_conv(x, w.astype(jnp.float16), backend=backend)

@@ -109,13 +109,26 @@ def resolve(backend: str | None, *, K: int, V: int) -> Primitives:
     """
     from . import cuda
 
-    if backend is None:
-        return _cuda_primitives() if cuda_ready() and cuda.supports(K, V) else XLA
-    if backend == "xla":
+    if not use_cuda(backend):
         return XLA
+    if backend is None:
+        return _cuda_primitives() if cuda.supports(K, V) else XLA
+    cuda._check_dims("backend='cuda'", K=K, V=V)
+    return _cuda_primitives()
+
+
+def use_cuda(backend: str | None) -> bool:
+    """The backend rule of every op (gdn, short_conv): None -> True where `cuda_ready()`;
+    "xla" -> False; "cuda" -> True (RuntimeError, after a one-time warning, when the extension
+    is missing); anything else ValueError."""
+    from . import cuda
+
+    if backend is None:
+        return cuda_ready()
+    if backend == "xla":
+        return False
     if backend == "cuda":
         if not cuda.require():
             raise RuntimeError(f"backend='cuda' requested but {cuda.unavailable_reason()}")
-        cuda._check_dims("backend='cuda'", K=K, V=V)
-        return _cuda_primitives()
+        return True
     raise ValueError(f"backend must be None, 'xla' or 'cuda', got {backend!r}")

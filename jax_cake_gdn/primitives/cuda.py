@@ -390,6 +390,23 @@ def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
     return w, u
 
 
+def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, seg_last,
+                 seg_len):
+    """Checks shared by state_walk and walk_output, in one order: (w, u, G, h0, the chunk table,
+    the segment table). HV and V come from u [T, HV, V]."""
+    u = _tokens_v(fn, "u", u, T)
+    HV, V = u.shape[1], u.shape[2]
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    u = _f32(fn, "u", u, (T, HV, V))
+    w = _f32(fn, "w", w, (T, HV, K))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
+    h0 = _f32(fn, "h0", h0, (sl.shape[0], HV, K, V))
+    return w, u, G, h0, cs, cl, sf, sla, sl
+
+
 def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len):
     """Walk each segment's chunks in order from its entry state h0 [S, HV, K, V].
 
@@ -401,18 +418,10 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
     fn = "state_walk"
     k = _qkv(fn, "k", k)
     T, H, K = k.shape
-    u = _tokens_v(fn, "u", u, T)
+    w, u, G, h0, cs, cl, sf, sla, sl = _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start,
+                                                     chunk_len, seg_first, seg_last, seg_len)
     HV, V = u.shape[1], u.shape[2]
-    _check_dims(fn, K=K, V=V)
-    _heads(fn, H, HV)
-    u = _f32(fn, "u", u, (T, HV, V))
-    w = _f32(fn, "w", w, (T, HV, K))
-    G = _f32(fn, "G", G, (T, HV))
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    NC = cs.shape[0]
-    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
-    S = sl.shape[0]
-    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
+    NC, S = cs.shape[0], sl.shape[0]
     r = _rstd(fn, "rstd_k", rstd_k, T, H)
     return tuple(_call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.float32),
                             ((S, HV, K, V), jnp.float32)],
@@ -456,17 +465,10 @@ def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_f
     fn = "walk_output"
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    u = _tokens_v(fn, "u", u, T)
+    w, u, G, h0, cs, cl, sf, sla, sl = _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start,
+                                                     chunk_len, seg_first, seg_last, seg_len)
     HV, V = u.shape[1], u.shape[2]
-    _check_dims(fn, K=K, V=V)
-    _heads(fn, H, HV)
-    u = _f32(fn, "u", u, (T, HV, V))
-    w = _f32(fn, "w", w, (T, HV, K))
-    G = _f32(fn, "G", G, (T, HV))
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
     S = sl.shape[0]
-    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
