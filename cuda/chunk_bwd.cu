@@ -8,9 +8,9 @@
 //
 // q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
 // A f32[NC, HV, 64, 64]; h, dS_end bf16[NC, HV, K, V] (the walks' bf16 tapes); v_new
-// f32[T, HV, V]; rstd_q, rstd_k
-// f32[T, H] or f32[1] (no L2 norm); chunk table int32 (chunks.py). K, V in {64, 128}. Every token
-// row is written by its chunk; unused chunks (length 0) write nothing.
+// bf16[T, HV, V] (the state walk's); rstd_q, rstd_k f32[T, H] or f32[1] (no L2 norm); chunk
+// table int32 (chunks.py). K, V in {64, 128}. Every token row is written by its chunk; unused
+// chunks (length 0) write nothing.
 #include "chunk_bwd.cuh"
 #include "fwd_args.cuh"
 
@@ -22,7 +22,7 @@ namespace {
 ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
                           ffi::Buffer<ffi::F32> A, ffi::Buffer<ffi::BF16> h,
-                          ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::BF16> dS_end,
+                          ffi::Buffer<ffi::BF16> v_new, ffi::Buffer<ffi::BF16> dS_end,
                           ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> rstd_q,
                           ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                           ffi::Buffer<ffi::S32> chunk_len, float scale,
@@ -53,7 +53,7 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   JCG_CHECK_MSG(check_th("beta", beta.dimensions(), T, HV));
   JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
   JCG_CHECK_ARG(dims_are(v_new.dimensions(), {T, HV, V}),
-                "v_new must be f32[T, HV, V], got shape " + dims_str(v_new.dimensions()));
+                "v_new must be bf16[T, HV, V], got shape " + dims_str(v_new.dimensions()));
   bool has_rq = false, has_rk = false;
   JCG_CHECK_MSG(check_rstd("rstd_q", rstd_q.dimensions(), T, H, has_rq));
   JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rk));
@@ -97,7 +97,8 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                      static_cast<const In*>(k.untyped_data()),
                      static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
                      A.typed_data(), static_cast<const bf16*>(h.untyped_data()),
-                     v_new.typed_data(), static_cast<const bf16*>(dS_end.untyped_data()),
+                     static_cast<const bf16*>(v_new.untyped_data()),
+                     static_cast<const bf16*>(dS_end.untyped_data()),
                      static_cast<const In*>(dout.untyped_data()),
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
@@ -124,7 +125,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_chunk_bwd, jax_cake_gdn::chunk_bwd_im
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // A
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // dS_end
                                   .Arg<xla::ffi::AnyBuffer>()              // do
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q

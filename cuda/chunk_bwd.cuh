@@ -22,9 +22,9 @@
 // Every product runs on mma.sync m16n8k16 (bf16 operands from shared memory, f32 accumulate):
 // one generic warp tile (16 x 32 of a 64 x N result, N in {64, K, V}; 8 warps cover 64 x 64 in
 // one tile each and 64 x 128 in two) over ldmatrix-fed operands in any of the four transposition
-// layouts. f32 intermediates (vn, A, dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
-// become operands. h and dS_end arrive in bf16 (the walks round them when they write them, to the
-// values this kernel rounded them to itself before v5) and go straight into their tiles by
+// layouts. f32 intermediates (A, dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
+// become operands. h, dS_end and vn arrive in bf16 (the walks round them when they write them, to
+// the values this kernel rounded them to itself before) and go straight into their tiles by
 // cp.async; e^{G_C} sum(dS o h), their only other use, sums these bf16 values in f32. A CPU
 // emulation of exactly these roundings (before v5: with that sum in f32 h, dS) against the f32
 // xla chunk_bwd gives 2-3e-3 relative RMS on every output (splitting the A-chain operands into
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,
                      const float* __restrict__ beta, const float* __restrict__ G,
                      const float* __restrict__ A, const bf16* __restrict__ h,
-                     const float* __restrict__ v_new, const bf16* __restrict__ dS_end,
+                     const bf16* __restrict__ v_new, const bf16* __restrict__ dS_end,
                      const In* __restrict__ dout, const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
@@ -202,9 +202,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   const int64_t s_off = (static_cast<int64_t>(c) * HV + hv) * K * V;
 
   // ---- stage 0: operands into shared memory (bf16), G, beta, and sum(dS o h) in f32
-  // h and dS_end are bf16 (as the walks wrote them): 16-byte cp.async pieces straight into their
-  // operand tiles, in flight while q, k, dO, v_new are converted. Thread tid copies pieces
-  // tid + j * 256 (j < kPer) of each.
+  // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
+  // into their operand tiles, in flight while q, k, dO are converted. Thread tid copies pieces
+  // tid + j * 256 (j < kPer) of h and dS_end.
   constexpr int kV8 = V / 8, kPer = K * kV8 / kCbThreads;
   static_assert(K * kV8 % kCbThreads == 0, "state tile does not split evenly");
   {
@@ -216,6 +216,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cp_async16(Hs + r * VP + c8, hp + r * V + c8, true);
       cp_async16(DSs + r * VP + c8, sp + r * V + c8, true);
     }
+    cp_async_tile_bf16<kChunk, V, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len);
     cp_async_commit();
   }
   load_tile_bf16<kChunk, K, 8, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
@@ -223,8 +224,6 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   load_tile_bf16<kChunk, K, 8, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
                                            ScaleRstd{rstd_k, cs.start, H, hk});
   load_tile_bf16<kChunk, V, 8, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len,
-                                           ScaleOne{});
-  load_tile_bf16<kChunk, V, 8, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len,
                                            ScaleOne{});
   if (tid < kChunk) {
     sG[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];  // padding rows: G = G_C (as xla)

@@ -149,6 +149,21 @@ __device__ __forceinline__ void store2(bf16* p, float a, float b) {
 
 // ---------------------------------------------------------------- tile loads
 
+// A Rows x D bf16 tile into shared memory as it is (pitch ld) by 16-byte cp.async pieces: row
+// t < len is src[t*row_stride + col], rows t >= len are zero. The caller commits and waits.
+template <int Rows, int D, int Threads>
+__device__ __forceinline__ void cp_async_tile_bf16(bf16* dst, int ld, const bf16* src,
+                                                   int64_t row_stride, int len) {
+  constexpr int kVpr = D / 8;
+  static_assert(Rows * kVpr % Threads == 0, "tile does not split evenly");
+#pragma unroll
+  for (int j = 0; j < Rows * kVpr / Threads; ++j) {
+    const int idx = threadIdx.x + j * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+    const bool ok = t < len;
+    cp_async16(dst + t * ld + c8, ok ? src + t * row_stride + c8 : src, ok);
+  }
+}
+
 // A Rows x D tile into shared memory as bf16 (pitch ld): row t < len is src[t*row_stride + col]
 // times scale(t); rows t >= len are zero. Each thread issues up to NB 8-element loads (from
 // clamped, always valid rows, with no branch between them) before it stores any, so NB loads per

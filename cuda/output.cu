@@ -5,8 +5,8 @@
 //          f32[1] (not wanted)
 //
 // q, k: bf16 or f32 [T, H, K] (same dtype); G f32[T, HV]; h bf16[NC, HV, K, V] (the state walk's
-// tape); v_new
-// f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or f32[1]. K, V in {64, 128}.
+// tape); v_new bf16[T, HV, V] (the state walk's); rstd_q, rstd_k f32[T, H] or f32[1]. K, V in
+// {64, 128}.
 #include "fwd_args.cuh"
 #include "output.cuh"
 
@@ -17,7 +17,7 @@ namespace {
 
 ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::BF16> h,
-                       ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> rstd_q,
+                       ffi::Buffer<ffi::BF16> v_new, ffi::Buffer<ffi::F32> rstd_q,
                        ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                        ffi::Buffer<ffi::S32> chunk_len, float scale, ffi::Result<ffi::AnyBuffer> o,
                        ffi::ResultBuffer<ffi::F32> scores) {
@@ -31,7 +31,7 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                     dtype_name(k.element_type()));
   const auto vd = v_new.dimensions();
   JCG_CHECK_ARG(vd.size() == 3 && vd[0] == T,
-                "v_new must be f32[T, HV, V], got shape " + dims_str(vd));
+                "v_new must be bf16[T, HV, V], got shape " + dims_str(vd));
   const int64_t HV = vd[1], V = vd[2];
   JCG_CHECK_MSG(check_heads(H, HV));
   JCG_CHECK_MSG(check_v(V));
@@ -70,7 +70,7 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                      static_cast<const In*>(q.untyped_data()),
                      static_cast<const In*>(k.untyped_data()), G.typed_data(),
                      static_cast<const bf16*>(h.untyped_data()),
-                     v_new.typed_data(),
+                     static_cast<const bf16*>(v_new.untyped_data()),
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                      chunk_start.typed_data(), chunk_len.typed_data(),
@@ -94,7 +94,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_output, jax_cake_gdn::output_impl,
                                   .Arg<xla::ffi::AnyBuffer>()              // k
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start

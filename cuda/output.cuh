@@ -4,9 +4,9 @@
 //   Att = tril_incl(Gam o Q K^T)                 (unscaled; written as `scores` when asked)
 //   o   = scale (diag(e^G) Q h + Att v_new)      -> [T, HV, V] in the output dtype
 //
-// q, k (normalised by rstd when given) and v_new are rounded to bf16 in shared memory; h (the
-// state entering the chunk) is bf16 already (the state walk's tape) and goes straight into its
-// tile with cp.async. Warp w owns output rows 16w..16w+15: its Q fragments stay in registers
+// q, k (normalised by rstd when given) are rounded to bf16 in shared memory; h (the state
+// entering the chunk) and v_new are bf16 already (the state walk rounds them) and go straight
+// into their tiles with cp.async. Warp w owns output rows 16w..16w+15: its Q fragments stay in registers
 // for Q K^T and Q h; Att goes from accumulators to A fragments in registers (no shared round
 // trip) for Att v_new; o is produced in 64-column panels. e^G multiplies the rows of Q h (never
 // e^{-G}, which can overflow); Gam_ij = exp(G_i - G_j) is evaluated for i >= j only.
@@ -65,7 +65,7 @@ template <typename In, typename Out, int K>
 __global__ void __launch_bounds__(kOutThreads)
     output_kernel(const In* __restrict__ q, const In* __restrict__ k,
                   const float* __restrict__ G, const bf16* __restrict__ h,
-                  const float* __restrict__ v_new, const float* __restrict__ rstd_q,  // nullable
+                  const bf16* __restrict__ v_new, const float* __restrict__ rstd_q,  // nullable
                   const float* __restrict__ rstd_k,                                   // nullable
                   const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                   Out* __restrict__ o, float* __restrict__ scores,  // scores nullable
@@ -95,11 +95,17 @@ __global__ void __launch_bounds__(kOutThreads)
   }
 
   const int64_t qk_off = cs.start * H * K + hk * K;
-  // h (bf16 [K][V], 16-byte pieces) streams in while q, k, v_new are converted
+  // h (bf16 [K][V], 16-byte pieces) and v_new stream in while q, k are converted
   const bf16* hsrc = h + (static_cast<int64_t>(c) * HV + hv) * K * V;
   for (int idx = tid; idx < K * V / 8; idx += kOutThreads) {
     const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
     cp_async16(Hs + r * VP + c8, hsrc + static_cast<int64_t>(r) * V + c8, true);
+  }
+  const bf16* vsrc = v_new + (cs.start * HV + hv) * V;
+  if (V == 64) {
+    cp_async_tile_bf16<kChunk, 64, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
+  } else {
+    cp_async_tile_bf16<kChunk, 128, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
   }
   cp_async_commit();
   load_tile_bf16<kChunk, K, 8, kOutThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
@@ -107,10 +113,6 @@ __global__ void __launch_bounds__(kOutThreads)
   load_tile_bf16<kChunk, K, 8, kOutThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
                                             ScaleRstd{rstd_k, cs.start, H, hk});
   if (tid < kChunk) sg[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];
-  const float* vsrc = v_new + (cs.start * HV + hv) * V;
-  for (int p = 0; p < V / 64; ++p)
-    load_tile_bf16<kChunk, 64, 8, kOutThreads>(Vs + 64 * p, VP, vsrc + 64 * p, int64_t{HV} * V,
-                                               len, ScaleOne{});
   cp_async_wait_all();
   __syncthreads();
 

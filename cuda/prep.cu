@@ -1,9 +1,12 @@
 // FFI handlers of the WY prep family (kernels in prep.cuh):
 //
 //   jax_cake_gdn_prep(k, v, beta, G, rstd_k, chunk_start, chunk_len) -> A f32[NC, HV, 64, 64],
-//                                                                       w f32[T, HV, K],
+//                                                                       w bf16[T, HV, K],
 //                                                                       u f32[T, HV, V]
 //   jax_cake_gdn_wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len) -> w, u (from a given A)
+//
+// w is rounded to bf16 (nearest) when written: the value every reader (the walks) uses as its
+// mma operand, so storing it in f32 would only add bytes.
 //
 // k, v: bf16 or f32 [T, H, K] / [T, HV, V] (same dtype); beta, G: f32[T, HV]; rstd_k: f32[T, H]
 // or f32[1] (no L2 norm); chunk_start / chunk_len: int32[NC] (chunks.py). K, V in {64, 128}.
@@ -43,7 +46,7 @@ std::string check_wy_inputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
 
 std::string check_wu(ffi::Span<const int64_t> w, ffi::Span<const int64_t> u, int64_t T,
                      int64_t HV, int64_t K, int64_t V) {
-  if (!dims_are(w, {T, HV, K})) return "w must be f32[T, HV, K], got shape " + dims_str(w);
+  if (!dims_are(w, {T, HV, K})) return "w must be bf16[T, HV, K], got shape " + dims_str(w);
   if (!dims_are(u, {T, HV, V})) return "u must be f32[T, HV, V], got shape " + dims_str(u);
   return {};
 }
@@ -54,7 +57,7 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
                      ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                      ffi::Buffer<ffi::S32> chunk_len, ffi::ResultBuffer<ffi::F32> A,
-                     ffi::ResultBuffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> u) {
+                     ffi::ResultBuffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> u) {
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
   JCG_CHECK_MSG(check_wy_inputs(k, v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV, V,
@@ -82,7 +85,7 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
                    has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                    chunk_start.typed_data(), chunk_len.typed_data(), A->typed_data(),
-                   w->typed_data(), u->typed_data(), T, static_cast<int>(H),
+                   static_cast<bf16*>(w->untyped_data()), u->typed_data(), T, static_cast<int>(H),
                    static_cast<int>(HV), static_cast<int>(V));
     });
   });
@@ -96,7 +99,7 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
 ffi::Error wy_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> A,
                    ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
-                   ffi::Buffer<ffi::S32> chunk_len, ffi::ResultBuffer<ffi::F32> w,
+                   ffi::Buffer<ffi::S32> chunk_len, ffi::ResultBuffer<ffi::BF16> w,
                    ffi::ResultBuffer<ffi::F32> u) {
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
@@ -120,7 +123,8 @@ ffi::Error wy_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
                    A.typed_data(),
                    has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                   chunk_start.typed_data(), chunk_len.typed_data(), w->typed_data(),
+                   chunk_start.typed_data(), chunk_len.typed_data(),
+                   static_cast<bf16*>(w->untyped_data()),
                    u->typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
                    static_cast<int>(V));
     });
@@ -145,7 +149,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_prep, jax_cake_gdn::prep_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // A
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // u
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
@@ -160,6 +164,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_wy, jax_cake_gdn::wy_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // u
                               {xla::ffi::Traits::kCmdBufferCompatible});

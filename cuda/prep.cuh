@@ -2,7 +2,7 @@
 // value heads of one chunk adjacent in the (1-D) grid so GVA heads share k through L2:
 //
 //   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A f32[NC, HV, 64, 64]
-//          w = A diag(beta e^G) K -> f32[T, HV, K],  u = A diag(beta) V -> f32[T, HV, V]
+//          w = A diag(beta e^G) K -> bf16[T, HV, K],  u = A diag(beta) V -> f32[T, HV, V]
 //   wy:    w and u from a given A (the light backward's replay reads the saved A)
 //
 // k (normalised by rstd_k when given) and v are rounded to bf16 in shared memory; K K^T, A Kb and
@@ -67,9 +67,11 @@ __device__ __forceinline__ void wy_load_tiles(bf16* Ks, bf16* Vs, const In* __re
   }
 }
 
-// acc = A (this warp's 16 rows) x X[:, 64p : 64p + 64]; rows < len go to out (f32, token-major).
+// acc = A (this warp's 16 rows) x X[:, 64p : 64p + 64]; rows < len go to out (Out: f32, or bf16
+// rounded to nearest; token-major).
+template <typename Out>
 __device__ __forceinline__ void wy_panels(const uint32_t (&a)[4][4], const bf16* Xs, int xp,
-                                          int D, float* out, int64_t row0, int64_t row_stride,
+                                          int D, Out* out, int64_t row0, int64_t row_stride,
                                           int len) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   for (int p = 0; p < D / 64; ++p) {
@@ -80,7 +82,7 @@ __device__ __forceinline__ void wy_panels(const uint32_t (&a)[4][4], const bf16*
     for (int half = 0; half < 2; ++half) {
       const int t = 16 * warp + g + 8 * half;
       if (t < len) {
-        float* o = out + (row0 + t) * row_stride + 64 * p + 2 * q;
+        Out* o = out + (row0 + t) * row_stride + 64 * p + 2 * q;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) store2(o + 8 * nt, acc[nt][2 * half], acc[nt][2 * half + 1]);
       }
@@ -88,9 +90,9 @@ __device__ __forceinline__ void wy_panels(const uint32_t (&a)[4][4], const bf16*
   }
 }
 
-// w = A Ks, u = A Vs for this warp's rows (a: its bf16 A fragments, 4 k-steps).
+// w = A Ks (bf16), u = A Vs (f32) for this warp's rows (a: its bf16 A fragments, 4 k-steps).
 __device__ __forceinline__ void wy_store(const uint32_t (&a)[4][4], const bf16* Ks,
-                                         const bf16* Vs, float* __restrict__ w,
+                                         const bf16* Vs, bf16* __restrict__ w,
                                          float* __restrict__ u, ChunkSpan cs, int hv, int HV,
                                          int K, int V) {
   constexpr int XP = kWyXP;
@@ -104,7 +106,7 @@ __global__ void __launch_bounds__(kPrepThreads)
               const float* __restrict__ G, const float* __restrict__ A,
               const float* __restrict__ rstd,  // nullable
               const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-              float* __restrict__ w, float* __restrict__ u, int64_t num_tokens, int H, int HV,
+              bf16* __restrict__ w, float* __restrict__ u, int64_t num_tokens, int H, int HV,
               int V) {
   using Sm = WySmem;
   constexpr int AP = Sm::AP;
@@ -334,7 +336,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
                 const float* __restrict__ beta, const float* __restrict__ G,
                 const float* __restrict__ rstd,  // nullable
                 const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-                float* __restrict__ A, float* __restrict__ w, float* __restrict__ u,
+                float* __restrict__ A, bf16* __restrict__ w, float* __restrict__ u,
                 int64_t num_tokens, int H, int HV, int V) {
   using Sm = PrepSmem<K>;
   constexpr int KP = Sm::KP, AP = Sm::AP;

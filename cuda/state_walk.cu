@@ -1,13 +1,13 @@
 // FFI handlers of the state walk and of the fused walk + output (kernel in state_walk.cuh):
 //
 //   jax_cake_gdn_state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
-//                           seg_len) -> h bf16[NC, HV, K, V], v_new f32[T, HV, V],
+//                           seg_len) -> h bf16[NC, HV, K, V], v_new bf16[T, HV, V],
 //                                       final f32[S, HV, K, V]
 //
-// k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; u f32[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
-// rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K, V in {64, 128}. The h tape is
-// bf16: the f32 state entering each chunk rounded to nearest, the operand its readers (output,
-// chunk_bwd) used to round it to themselves; the walk itself carries the state in f32.
+// k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; u f32[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
+// rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K, V in {64, 128}. The h tape and
+// v_new are bf16: the f32 values rounded to nearest, the operands their readers (output,
+// chunk_bwd) used to round them to themselves; the walk itself carries the state in f32.
 //
 //   jax_cake_gdn_walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
 //                            seg_last, seg_len; scale) -> o [T, HV, V] (bf16 or f32, the result
@@ -25,13 +25,13 @@
 namespace jax_cake_gdn {
 namespace {
 
-ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::F32> w,
+ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::BF16> w,
                            ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> G,
                            ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> rstd_k,
                            ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                            ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                            ffi::Buffer<ffi::S32> seg_len, ffi::ResultBuffer<ffi::BF16> h,
-                           ffi::ResultBuffer<ffi::F32> v_new,
+                           ffi::ResultBuffer<ffi::BF16> v_new,
                            ffi::ResultBuffer<ffi::F32> final_state) {
   JCG_CHECK_MSG(check_qk("k", k));
   const auto kd = k.dimensions();
@@ -42,7 +42,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   JCG_CHECK_MSG(check_heads(H, HV));
   JCG_CHECK_MSG(check_v(V));
   JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
-                "w must be f32[T, HV, K], got shape " + dims_str(w.dimensions()));
+                "w must be bf16[T, HV, K], got shape " + dims_str(w.dimensions()));
   JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
   bool has_rstd = false;
   JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rstd));
@@ -57,7 +57,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   JCG_CHECK_ARG(dims_are(h->dimensions(), {NC, HV, K, V}),
                 "h must be bf16[NC, HV, K, V], got shape " + dims_str(h->dimensions()));
   JCG_CHECK_ARG(dims_are(v_new->dimensions(), {T, HV, V}),
-                "v_new must be f32[T, HV, V], got shape " + dims_str(v_new->dimensions()));
+                "v_new must be bf16[T, HV, V], got shape " + dims_str(v_new->dimensions()));
   JCG_CHECK_ARG(dims_are(final_state->dimensions(), {S, HV, K, V}),
                 "final must be f32[S, HV, K, V], got shape " + dims_str(final_state->dimensions()));
 
@@ -71,13 +71,14 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
       constexpr int KD = decltype(kdim)::value;
       const dim3 grid(static_cast<unsigned>(S * HV * (V / kWalkVT)));
       err = launch(state_walk_kernel<In, KD>, grid, kWalkThreads, WalkSmem<In, KD>::bytes, stream,
-                   static_cast<const In*>(k.untyped_data()), w.typed_data(), u.typed_data(),
-                   G.typed_data(), h0.typed_data(),
+                   static_cast<const In*>(k.untyped_data()),
+                   static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
+                   h0.typed_data(),
                    has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                    chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
                    seg_last.typed_data(), seg_len.typed_data(),
                    static_cast<bf16*>(h->untyped_data()),
-                   v_new->typed_data(), final_state->typed_data(), T, static_cast<int>(H),
+                   static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T, static_cast<int>(H),
                    static_cast<int>(HV), static_cast<int>(V), static_cast<int>(NC),
                    static_cast<const In*>(nullptr), static_cast<const float*>(nullptr),
                    static_cast<float*>(nullptr), 1.f);
@@ -94,7 +95,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // k
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // u
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
@@ -105,7 +106,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // v_new
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
@@ -116,7 +117,7 @@ namespace jax_cake_gdn {
 namespace {
 
 ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> u,
+                            ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> u,
                             ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
                             ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                             ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
@@ -138,7 +139,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   JCG_CHECK_MSG(check_heads(H, HV));
   JCG_CHECK_MSG(check_v(V));
   JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
-                "w must be f32[T, HV, K], got shape " + dims_str(w.dimensions()));
+                "w must be bf16[T, HV, K], got shape " + dims_str(w.dimensions()));
   JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
   bool has_rq = false, has_rk = false;
   JCG_CHECK_MSG(check_rstd("rstd_q", rstd_q.dimensions(), T, H, has_rq));
@@ -173,12 +174,13 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
           const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
           err = launch(state_walk_kernel<In, KD, true, Out, VT>, grid, walk_threads<VT>(),
                        WalkSmem<In, KD, true, VT>::bytes, stream,
-                       static_cast<const In*>(k.untyped_data()), w.typed_data(), u.typed_data(),
-                       G.typed_data(), h0.typed_data(),
+                       static_cast<const In*>(k.untyped_data()),
+                       static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
+                       h0.typed_data(),
                        has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                        chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
                        seg_last.typed_data(), seg_len.typed_data(), static_cast<bf16*>(nullptr),
-                       static_cast<float*>(nullptr), final_state->typed_data(), T,
+                       static_cast<bf16*>(nullptr), final_state->typed_data(), T,
                        static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
                        static_cast<int>(NC), static_cast<const In*>(q.untyped_data()),
                        has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
@@ -199,7 +201,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output, jax_cake_gdn::walk_outpu
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // q
                                   .Arg<xla::ffi::AnyBuffer>()              // k
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // u
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0

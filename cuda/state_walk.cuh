@@ -9,9 +9,11 @@
 // `w S` takes S from registers (rounded to bf16 per chunk; the f32 state is kept):
 //   product 1 (per warp):  v_new[64 x 16] = u - Ws[64 x K] S[K x 16]      (A: w from smem)
 //   product 2 (per warp):  S^T[16 x K] = e^{G_C} S^T + v_new^T[16 x 64] Kd[64 x K]
-// v_new goes to global (f32) and, as bf16, to this warp's columns of a shared tile that feeds
-// product 2 (only the warp itself reads them). w, k, u, G and rstd of chunk c + 1 stream into
-// staging buffers with cp.async while chunk c computes; the staging is converted to the bf16
+// v_new is rounded to bf16 once (nearest) and goes to global and to this warp's columns of a
+// shared tile that feeds product 2 (only the warp itself reads them): its readers (output,
+// chunk_bwd) use exactly these bf16 values as operands. w arrives in bf16 (prep rounded it, the
+// value this kernel used to round it to). w, k, u, G and rstd of chunk c + 1 stream into staging
+// buffers with cp.async while chunk c computes; the staging is copied / converted to the bf16
 // operand tiles (Ws, Kd) at the top of each chunk.
 // h goes to global as bf16 (the f32 state rounded to nearest: the value chunk_bwd and output use
 // as an operand), with 16-byte stores through a transpose in this warp's columns of the v_new
@@ -69,7 +71,7 @@ struct WalkSmem {
   static constexpr int UP = VT + 8;        // f32 pitch of the u staging
   static constexpr int NP = VT + 8;        // bf16 pitch of the v_new tile
   static constexpr int AP = kChunk + 8;    // bf16 pitch of the Att tile (kOutput)
-  static constexpr size_t kStW = size_t{kChunk} * K * sizeof(float);
+  static constexpr size_t kStW = size_t{kChunk} * K * sizeof(bf16);
   static constexpr size_t kStK = size_t{kChunk} * K * sizeof(In);
   static constexpr size_t kStU = size_t{kChunk} * UP * sizeof(float);
   static constexpr size_t kStG = 2 * kChunk * sizeof(float);  // G, rstd
@@ -122,13 +124,13 @@ __device__ __forceinline__ void state_rw(float (&S)[K / 8][4], float* base, int 
 // (segment, value head)).
 template <typename In, int K, bool kOutput = false, typename Out = float, int VT = kWalkVT>
 __global__ void __launch_bounds__(walk_threads<VT>())
-    state_walk_kernel(const In* __restrict__ k, const float* __restrict__ w,
+    state_walk_kernel(const In* __restrict__ k, const bf16* __restrict__ w,
                       const float* __restrict__ u, const float* __restrict__ G,
                       const float* __restrict__ h0, const float* __restrict__ rstd,  // nullable
                       const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                       const int32_t* __restrict__ seg_first, const int32_t* __restrict__ seg_last,
                       const int32_t* __restrict__ seg_len, bf16* __restrict__ h,
-                      float* __restrict__ v_new, float* __restrict__ final_state,
+                      bf16* __restrict__ v_new, float* __restrict__ final_state,
                       int64_t num_tokens, int H, int HV, int V, int NC,
                       const In* __restrict__ qin, const float* __restrict__ rstd_q,  // nullable
                       Out* __restrict__ o, float scale) {
@@ -139,7 +141,7 @@ __global__ void __launch_bounds__(walk_threads<VT>())
   constexpr int KS = K / 16;
   constexpr int kThreads = walk_threads<VT>();
   extern __shared__ __align__(16) unsigned char smem[];
-  float* stW = reinterpret_cast<float*>(smem);
+  bf16* stW = reinterpret_cast<bf16*>(smem);
   In* stK = reinterpret_cast<In*>(smem + Sm::oStK);
   float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
   float* stG = reinterpret_cast<float*>(smem + Sm::oStG);
@@ -183,13 +185,13 @@ __global__ void __launch_bounds__(walk_threads<VT>())
   // Stream chunk c's w, k, u tile, G and rstd into the staging buffers (zero beyond its length).
   auto prefetch = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    constexpr int kWv = K / 4;  // 16-byte pieces per w row
+    constexpr int kWv = K / 8;  // 16-byte pieces per w row
 #pragma unroll 4
     for (int idx = tid; idx < kChunk * kWv; idx += kThreads) {
-      const int t = idx / kWv, c4 = (idx % kWv) * 4;
+      const int t = idx / kWv, c8 = (idx % kWv) * 8;
       const bool ok = t < cs.len;
-      const float* src = ok ? w + ((cs.start + t) * HV + hv) * K + c4 : w;
-      cp_async16(stW + t * K + c4, src, ok);
+      const bf16* src = ok ? w + ((cs.start + t) * HV + hv) * K + c8 : w;
+      cp_async16(stW + t * K + c8, src, ok);
     }
     constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
     constexpr int kKv = K / kEl;
@@ -247,9 +249,9 @@ __global__ void __launch_bounds__(walk_threads<VT>())
 #pragma unroll 4
       for (int idx = tid; idx < kChunk * kV8; idx += kThreads) {
         const int t = idx / kV8, c8 = (idx % kV8) * 8;
+        *reinterpret_cast<uint4*>(Ws + t * KP + c8) =
+            *reinterpret_cast<const uint4*>(stW + t * K + c8);
         float f[8];
-        lds8(stW + t * K + c8, f);
-        sts8_bf16(Ws + t * KP + c8, f, 1.f);
         lds8(stK + t * K + c8, f);
         const float r = rstd != nullptr ? stR[t] : 1.f;
         sts8_bf16(Kd + t * KP + c8, f, t < len ? r * __expf(GC - stG[t]) : 0.f);
@@ -336,7 +338,7 @@ __global__ void __launch_bounds__(walk_threads<VT>())
         }
       }
     }
-    // v_new out (f32, rows < len; not with kOutput) and into this warp's columns of the bf16 tile
+    // v_new out (bf16, rows < len; not with kOutput) and into this warp's columns of the bf16 tile
 #pragma unroll
     for (int mt = 0; mt < 4; ++mt)
 #pragma unroll

@@ -5,7 +5,7 @@
 //       -> dS_end bf16[NC, HV, K, V] (rounded to nearest from the f32 carried gradient: chunk_bwd
 //          uses it only as a bf16 operand), dh0 f32[S, HV, K, V]
 //
-// q, k: bf16 or f32 [T, H, K]; w f32[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
+// q, k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
 // dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64] (the saved Att) or f32[1] (recompute);
 // rstd_q, rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K in {64, 128}, V in
 // {64, 128}.
@@ -24,7 +24,7 @@ static_assert(walk_bwd_vt<bf16, 128, 128>() == 128 && walk_bwd_vt<bf16, 64, 128>
               "walk_bwd: unexpected VT choice");
 
 ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                         ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
+                         ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
                          ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::F32> scores,
                          ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
@@ -46,7 +46,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   JCG_CHECK_MSG(check_heads(H, HV));
   JCG_CHECK_MSG(check_v(V));
   JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
-                "w must be f32[T, HV, K], got shape " + dims_str(w.dimensions()));
+                "w must be bf16[T, HV, K], got shape " + dims_str(w.dimensions()));
   JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
   bool has_rq = false, has_rk = false;
   JCG_CHECK_MSG(check_rstd("rstd_q", rstd_q.dimensions(), T, H, has_rq));
@@ -83,7 +83,8 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
         err = launch(walk_bwd_kernel<In, KD, VT>, grid, wb_threads<VT>(),
                      WalkBwdSmem<In, KD, VT>::bytes(has_scores), stream,
                      static_cast<const In*>(q.untyped_data()),
-                     static_cast<const In*>(k.untyped_data()), w.typed_data(), G.typed_data(),
+                     static_cast<const In*>(k.untyped_data()),
+                     static_cast<const bf16*>(w.untyped_data()), G.typed_data(),
                      static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
                      has_scores ? scores.typed_data() : static_cast<const float*>(nullptr),
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
@@ -108,7 +109,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_bwd, jax_cake_gdn::walk_bwd_impl
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // q
                                   .Arg<xla::ffi::AnyBuffer>()              // k
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // w
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::AnyBuffer>()              // do
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dfinal

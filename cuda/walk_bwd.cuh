@@ -81,7 +81,7 @@ struct WalkBwdSmem {
   static constexpr int KP = K + 8;       // bf16 pitch of Qs, Ks, Ws
   static constexpr int AP = kChunk + 8;  // bf16 pitch of the Att tile
   static constexpr int OP = VT + 8;      // bf16 pitch of the VT-wide tiles (dOs, dOg, Dvn)
-  static constexpr size_t kStW = size_t{kChunk} * K * sizeof(float);
+  static constexpr size_t kStW = size_t{kChunk} * K * sizeof(bf16);
   static constexpr size_t kStQK = size_t{kChunk} * K * sizeof(In);
   static constexpr size_t kStO = size_t{kChunk} * VT * sizeof(In);
   static constexpr size_t kStG = 3 * kChunk * sizeof(float);  // G, rstd_q, rstd_k
@@ -138,7 +138,7 @@ __device__ __forceinline__ void wb_state_rw(float (&S)[K / 8][4], float* base, i
 template <typename In, int K, int VT>
 __global__ void __launch_bounds__(wb_threads<VT>())
     walk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k,
-                    const float* __restrict__ w, const float* __restrict__ G,
+                    const bf16* __restrict__ w, const float* __restrict__ G,
                     const In* __restrict__ dout, const float* __restrict__ dfinal,
                     const float* __restrict__ scores,  // nullable: recompute Att
                     const float* __restrict__ rstd_q,  // nullable
@@ -156,7 +156,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
   constexpr int kThreads = wb_threads<VT>();
   static_assert(kThreads >= 2 * kChunk, "the G / rstd prefetch needs 2 x 64 threads");
   extern __shared__ __align__(16) unsigned char smem[];
-  float* stW = reinterpret_cast<float*>(smem);
+  bf16* stW = reinterpret_cast<bf16*>(smem);
   In* stQ = reinterpret_cast<In*>(smem + Sm::oStQ);
   In* stK = reinterpret_cast<In*>(smem + Sm::oStK);
   In* stO = reinterpret_cast<In*>(smem + Sm::oStO);
@@ -205,13 +205,13 @@ __global__ void __launch_bounds__(wb_threads<VT>())
   // beyond its length).
   auto prefetch = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    constexpr int kWv = K / 4;  // 16-byte pieces per w row
+    constexpr int kWv = K / 8;  // 16-byte pieces per w row (bf16)
 #pragma unroll 4
     for (int idx = tid; idx < kChunk * kWv; idx += kThreads) {
-      const int t = idx / kWv, c4 = (idx % kWv) * 4;
+      const int t = idx / kWv, c8 = (idx % kWv) * 8;
       const bool ok = t < cs.len;
-      const float* src = ok ? w + ((cs.start + t) * HV + hv) * K + c4 : w;
-      cp_async16(stW + t * K + c4, src, ok);
+      const bf16* src = ok ? w + ((cs.start + t) * HV + hv) * K + c8 : w;
+      cp_async16(stW + t * K + c8, src, ok);
     }
     constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
     constexpr int kKv = K / kEl;
@@ -264,9 +264,9 @@ __global__ void __launch_bounds__(wb_threads<VT>())
 #pragma unroll 2
       for (int idx = tid; idx < kChunk * kV8; idx += kThreads) {
         const int t = idx / kV8, c8 = (idx % kV8) * 8;
+        *reinterpret_cast<uint4*>(Ws + t * KP + c8) =
+            *reinterpret_cast<const uint4*>(stW + t * K + c8);
         float f[8];
-        lds8(stW + t * K + c8, f);
-        sts8_bf16(Ws + t * KP + c8, f, 1.f);
         lds8(stQ + t * K + c8, f);
         sts8_bf16(Qs + t * KP + c8, f, rstd_q != nullptr ? stRq[t] : 1.f);
         lds8(stK + t * K + c8, f);

@@ -91,13 +91,15 @@ def walk_pairs(inp, qk_l2norm):
         ct, rq, rk, G, A, w, u, h, vn = _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm)
         _, sc = X.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
                          with_scores=True)
-        _, sc_cuda = cuda.output(q, k, G, h.astype(jnp.bfloat16), vn, rq, rk, ct.start,
+        bf = jnp.bfloat16  # the cuda kernels take w, h, v_new in bf16
+        _, sc_cuda = cuda.output(q, k, G, h.astype(bf), vn.astype(bf), rq, rk, ct.start,
                                  ct.length, scale=scale, out_dtype=v.dtype, with_scores=True)
         tab = (ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len)
+        wb = w.astype(bf)
         out = {"xla": X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale),
-               "cuda": cuda.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, *tab, scale=scale),
-               "cuda_sc": cuda.walk_bwd(q, k, w, G, do, dfinal, sc, rq, rk, *tab, scale=scale),
-               "cuda_scc": cuda.walk_bwd(q, k, w, G, do, dfinal, sc_cuda, rq, rk, *tab,
+               "cuda": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, *tab, scale=scale),
+               "cuda_sc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc, rq, rk, *tab, scale=scale),
+               "cuda_scc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc_cuda, rq, rk, *tab,
                                          scale=scale)}
         return out, ct.length
 
@@ -110,9 +112,9 @@ CB_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
 def chunk_bwd_pairs(inp, qk_l2norm):
     """xla chunk_bwd and cuda chunk_bwd on the same inputs (the xla forward primitives and the
-    xla walk_bwd make A, h, v_new, dS_end; the cuda kernel takes h and dS_end in bf16, so it gets
-    them rounded to bf16). Returns {"xla": 5 arrays (f32 h, dS_end), "xla_r": 5 arrays (xla on the
-    bf16-rounded h, dS_end cast back to f32: the cuda kernel's exact h / dS_end values),
+    xla walk_bwd make A, h, v_new, dS_end; the cuda kernel takes h, v_new and dS_end in bf16, so it
+    gets them rounded to bf16). Returns {"xla": 5 arrays (f32 h, dS_end), "xla_r": 5 arrays (xla on
+    the bf16-rounded h, dS_end cast back to f32: the cuda kernel's exact h / dS_end values),
     "cuda": 5 arrays}."""
     scale = inp["q"].shape[-1] ** -0.5
 
@@ -126,8 +128,8 @@ def chunk_bwd_pairs(inp, qk_l2norm):
                                    scale=scale),
                 "xla_r": X.chunk_bwd(q, k, v, beta, G, A, w, u, hb.astype(f32), vn, None,
                                      dSb.astype(f32), do, rq, rk, ct, scale=scale),
-                "cuda": cuda.chunk_bwd(q, k, v, beta, G, A, hb, vn, dSb, do, rq, rk, ct.start,
-                                       ct.length, scale=scale)}
+                "cuda": cuda.chunk_bwd(q, k, v, beta, G, A, hb, vn.astype(jnp.bfloat16), dSb, do,
+                                       rq, rk, ct.start, ct.length, scale=scale)}
 
     return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
                inp["dfinal"], inp["cu"])
@@ -145,7 +147,7 @@ def _lower_cuda(f, *args) -> str:
 def _abstract_walk(T=300, H=2, HV=6, K=128, V=128, S=5, NC=9, dtype=jnp.bfloat16):
     sds = jax.ShapeDtypeStruct
     f32, i32 = jnp.float32, jnp.int32
-    return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), w=sds((T, HV, K), f32),
+    return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), w=sds((T, HV, K), jnp.bfloat16),
                 G=sds((T, HV), f32), do=sds((T, HV, V), dtype), dfinal=sds((S, HV, K, V), f32),
                 scores=sds((NC, HV, 64, 64), f32), rq=sds((T, H), f32), rk=sds((T, H), f32),
                 cs=sds((NC,), i32), cl=sds((NC,), i32), sf=sds((S,), i32), sl=sds((S,), i32),
@@ -178,7 +180,7 @@ def _abstract_chunk(T=300, H=2, HV=6, K=128, V=128, NC=9, dtype=jnp.bfloat16):
     f32, i32 = jnp.float32, jnp.int32
     return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), v=sds((T, HV, V), dtype),
                 beta=sds((T, HV), f32), G=sds((T, HV), f32), A=sds((NC, HV, 64, 64), f32),
-                h=sds((NC, HV, K, V), jnp.bfloat16), v_new=sds((T, HV, V), f32),
+                h=sds((NC, HV, K, V), jnp.bfloat16), v_new=sds((T, HV, V), jnp.bfloat16),
                 dS_end=sds((NC, HV, K, V), jnp.bfloat16), do=sds((T, HV, V), dtype),
                 rq=sds((T, H), f32),
                 rk=sds((T, H), f32), cs=sds((NC,), i32), cl=sds((NC,), i32))
@@ -199,8 +201,8 @@ def test_lower_chunk_bwd_for_cuda(dims, l2):
     calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_chunk_bwd" in ln]
     assert len(calls) == 1, hlo
     call = calls[0]
-    # operands A (f32), h (bf16), v_new (f32), dS_end (bf16)
-    assert (f"tensor<9x6x64x64xf32>, tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xf32>, "
+    # operands A (f32), h (bf16), v_new (bf16), dS_end (bf16)
+    assert (f"tensor<9x6x64x64xf32>, tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>, "
             f"tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>") in call, call
     # per-value-head dQ, dK (f32), dV in v's dtype, dg, dbeta
     assert (f"tensor<300x6x{K}xf32>, tensor<300x6x{K}xf32>, tensor<300x6x{V}xbf16>, "
@@ -248,10 +250,10 @@ def test_cuda_gradient_uses_the_backward_kernels(save_mode):
 
 
 @pytest.mark.parametrize("save_mode", ["light", "full"])
-def test_saved_layout_on_cuda_keeps_the_h_tape_in_bf16(save_mode):
+def test_saved_layout_on_cuda_keeps_w_h_v_new_in_bf16(save_mode):
     """saved_layout(backend="cuda") equals the residuals JAX keeps for gdn(backend="cuda") (traced
-    abstractly, no GPU needed); full mode keeps the h tape in bf16 there (f32 on xla), so
-    saved_bytes drops by half the xla tape."""
+    abstractly, no GPU needed); full mode keeps w, the h tape and v_new in bf16 there (f32 on
+    xla), so saved_bytes drops by half of each."""
     need_ext()
     q, k, v, g, beta, h0, _ = _abstract_gdn()
     cu = jnp.asarray([0, 1, 64, 64, 200, 300], jnp.int32)  # 5 documents, T = 300
@@ -267,21 +269,26 @@ def test_saved_layout_on_cuda_keeps_the_h_tape_in_bf16(save_mode):
             == sorted((tuple(x.shape), str(x.dtype)) for x in kept))
     xla_layout = J.saved_layout(q, k, v, g, beta, initial_state=h0, backend="xla", **kw)
     nb = lambda be: J.saved_bytes(q, k, v, g, beta, initial_state=h0, backend=be, **kw)
+    halved = ("h", "w", "v_new")  # bf16 on cuda, f32 on xla
     if save_mode == "full":
-        shape, dt, nbytes = layout["h"]
-        assert dt == jnp.bfloat16 and xla_layout["h"] == (shape, np.dtype(np.float32), 2 * nbytes)
-        assert nb("cuda") == nb("xla") - nbytes
+        saved = 0
+        for name in halved:
+            shape, dt, nbytes = layout[name]
+            assert dt == jnp.bfloat16, name
+            assert xla_layout[name] == (shape, np.dtype(np.float32), 2 * nbytes), name
+            saved += nbytes
+        assert nb("cuda") == nb("xla") - saved
     else:
-        assert "h" not in layout and nb("cuda") == nb("xla")
+        assert not set(halved) & set(layout) and nb("cuda") == nb("xla")
     # everything else is kept in the same dtypes on both backends
-    assert {n: x for n, x in layout.items() if n != "h"} == {
-        n: x for n, x in xla_layout.items() if n != "h"}
+    assert {n: x for n, x in layout.items() if n not in halved} == {
+        n: x for n, x in xla_layout.items() if n not in halved}
 
 
 def test_bad_inputs_raise_value_error():
     T, H, HV, K, V, NC, S = 100, 2, 6, 128, 128, 4, 3
     q = jnp.zeros((T, H, K), jnp.bfloat16)
-    w = jnp.zeros((T, HV, K), jnp.float32)
+    w = jnp.zeros((T, HV, K), jnp.bfloat16)
     G = jnp.zeros((T, HV), jnp.float32)
     do = jnp.zeros((T, HV, V), jnp.bfloat16)
     df = jnp.zeros((S, HV, K, V), jnp.float32)
@@ -304,7 +311,7 @@ def test_bad_inputs_raise_value_error():
         (dict(do=do[:, :5]), "multiple of H"),
         (dict(do=do[:50]), "do must be"),
         (dict(w=w[..., :64]), "w must have shape"),
-        (dict(w=w.astype(jnp.bfloat16)), "w must be float32"),
+        (dict(w=w.astype(jnp.float32)), "w must be bfloat16 (as the cuda prep / wy return it)"),
         (dict(G=G[:, :2]), "G must have shape"),
         (dict(dfinal=df[:2]), "dfinal must have shape"),
         (dict(scores=jnp.zeros((NC, HV, 64, 32), jnp.float32)), "scores must have shape"),
@@ -330,7 +337,7 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
 
     def call(**kw):
         a = dict(q=q, k=q, v=v, beta=th, G=th, A=jnp.zeros((NC, HV, 64, 64), f32), h=st,
-                 v_new=jnp.zeros((T, HV, V), f32), dS_end=st, do=v, rstd_q=None, rstd_k=None,
+                 v_new=v, dS_end=st, do=v, rstd_q=None, rstd_k=None,
                  chunk_start=cs, chunk_len=cs)
         a.update(kw)
         return cuda.chunk_bwd(*a.values(), scale=0.1)
@@ -349,7 +356,8 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
         (dict(dS_end=st.astype(f32)), "dS_end must be bfloat16"),
         (dict(h=st.astype(f32)), "h must be bfloat16"),
         (dict(dS_end=st[:, :, :64]), "dS_end must have shape"),
-        (dict(v_new=jnp.zeros((T, HV, 64), f32)), "v_new must have shape"),
+        (dict(v_new=jnp.zeros((T, HV, 64), jnp.bfloat16)), "v_new must have shape"),
+        (dict(v_new=v.astype(f32)), "v_new must be bfloat16 (as the cuda state_walk returns it)"),
         (dict(rstd_k=jnp.zeros((T, H + 1), f32)), "rstd_k"),
         (dict(chunk_len=cs[:2]), "chunk_len"),
     ]

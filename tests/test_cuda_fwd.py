@@ -105,15 +105,17 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         out["wy.w"], out["wy.u"] = (wyc, w), (uyc, u)
         wyp, uyp = C.wy(k, v, beta, G, Ac, rk, ct)
         out["w~wy"], out["u~wy"] = (wc, wyp), (uc, uyp)
+        # the cuda kernels take w, h and v_new in bf16 (the rounding they used to apply themselves)
+        wb = w.astype(jnp.bfloat16)
         h, vn, fin = X.state_walk(k, w, u, G, h0, rk, ct)
-        hc, vnc, finc = C.state_walk(k, w, u, G, h0, rk, ct)
+        hc, vnc, finc = C.state_walk(k, wb, u, G, h0, rk, ct)
         out["h"], out["v_new"], out["final"] = (hc, h), (vnc, vn), (finc, fin)
-        hb = h.astype(jnp.bfloat16)  # the cuda output takes the h tape in bf16
+        hb, vnb = h.astype(jnp.bfloat16), vn.astype(jnp.bfloat16)
         # the fused walk + output: vs xla, and vs the separate cuda kernels (keys "...~sep")
         ow, finw = X.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale, out_dtype=v.dtype)
-        owc, finwc = C.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale,
+        owc, finwc = C.walk_output(q, k, wb, u, G, h0, rq, rk, ct, scale=scale,
                                    out_dtype=v.dtype)
-        owc32, _ = C.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale,
+        owc32, _ = C.walk_output(q, k, wb, u, G, h0, rq, rk, ct, scale=scale,
                                  out_dtype=jnp.float32)
         osep, _ = C.output(q, k, G, hc, vnc, rq, rk, ct, scale=scale, out_dtype=v.dtype)
         out["walk_output.o"], out["walk_output.final"] = (owc, ow), (finwc, finw)
@@ -121,9 +123,9 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         out["walk_output.o~sep"], out["walk_output.final~sep"] = (owc, osep), (finwc, finc)
         o, sc = X.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
                          with_scores=True)
-        oc, scc = C.output(q, k, G, hb, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
+        oc, scc = C.output(q, k, G, hb, vnb, rq, rk, ct, scale=scale, out_dtype=v.dtype,
                            with_scores=True)
-        oc2, none = C.output(q, k, G, hb, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype)
+        oc2, none = C.output(q, k, G, hb, vnb, rq, rk, ct, scale=scale, out_dtype=v.dtype)
         out["o"], out["scores"], out["o_noscores"] = (oc, o), (scc, sc), (oc2, o)
         assert none is None
         return out
@@ -181,13 +183,18 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     unwanted = {"wy"} | ({"state_walk", "output"} if save_mode == "light" else {"walk_output"})
     assert not targets & unwanted, targets
     assert "stablehlo.while" not in hlo
-    if save_mode == "full":  # the h tape: bf16 out of state_walk, into output
+    # w bf16 out of prep (into the walk); full: h and v_new bf16 out of state_walk, into output
+    pr = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_prep" in ln]
+    assert len(pr) == 1 and re.search(
+        r"-> \(tensor<\d+x6x64x64xf32>, tensor<300x6x128xbf16>, tensor<300x6x128xf32>\)",
+        pr[0]), pr
+    if save_mode == "full":
         sw = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_state_walk" in ln]
         out = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_output" in ln]
         assert len(sw) == 1 and len(out) == 1, (sw, out)
-        assert re.search(r"-> \(tensor<\d+x6x128x128xbf16>, tensor<300x6x128xf32>, "
+        assert re.search(r"-> \(tensor<\d+x6x128x128xbf16>, tensor<300x6x128xbf16>, "
                          r"tensor<5x6x128x128xf32>\)", sw[0]), sw[0]
-        assert re.search(r"tensor<300x6xf32>, tensor<\d+x6x128x128xbf16>, tensor<300x6x128xf32>",
+        assert re.search(r"tensor<300x6xf32>, tensor<\d+x6x128x128xbf16>, tensor<300x6x128xbf16>",
                          out[0]), out[0]
     xla_hlo = _lower_cuda(_fwd("xla", qk_l2norm, save_mode), *args)
     assert "stablehlo.while" in xla_hlo  # the xla walk is a scan: the check can fail
@@ -272,19 +279,25 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="V = 96"):
         cuda.wy(k, jnp.zeros((T, HV, 96), jnp.bfloat16), f, f, jnp.zeros((NC, HV, 64, 64)),
                 None, cs, cs)
-    w = jnp.zeros((T, HV, K), jnp.float32)
+    w = jnp.zeros((T, HV, K), jnp.bfloat16)
     u = jnp.zeros((T, HV, V), jnp.float32)
     s = jnp.zeros((3,), jnp.int32)
     with pytest.raises(ValueError, match="h0"):
         cuda.state_walk(k, w, u, f, jnp.zeros((2, HV, K, V)), None, cs, cs, s, s, s)
+    with pytest.raises(ValueError, match="w must be bfloat16 .as the cuda prep"):
+        cuda.state_walk(k, w.astype(jnp.float32), u, f, jnp.zeros((3, HV, K, V)), None, cs, cs,
+                        s, s, s)
     hb = jnp.zeros((NC, HV, K, V), jnp.bfloat16)
+    vnb = u.astype(jnp.bfloat16)
     with pytest.raises(ValueError, match="out_dtype"):
-        cuda.output(k, k, f, hb, u, None, None, cs, cs, scale=1.0, out_dtype=jnp.float16)
+        cuda.output(k, k, f, hb, vnb, None, None, cs, cs, scale=1.0, out_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="v_new must be bfloat16 .as the cuda state_walk"):
+        cuda.output(k, k, f, hb, u, None, None, cs, cs, scale=1.0, out_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="h must be bfloat16"):
-        cuda.output(k, k, f, hb.astype(jnp.float32), u, None, None, cs, cs, scale=1.0,
+        cuda.output(k, k, f, hb.astype(jnp.float32), vnb, None, None, cs, cs, scale=1.0,
                     out_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="h must have shape"):
-        cuda.output(k, k, f, hb[:2], u, None, None, cs, cs, scale=1.0, out_dtype=jnp.bfloat16)
+        cuda.output(k, k, f, hb[:2], vnb, None, None, cs, cs, scale=1.0, out_dtype=jnp.bfloat16)
     h0 = jnp.zeros((3, HV, K, V))
     walk_output = lambda q=k, kk=k, h0=h0, rq=None, dt=jnp.bfloat16: cuda.walk_output(
         q, kk, w, u, f, h0, rq, None, cs, cs, s, s, s, scale=1.0, out_dtype=dt)
@@ -321,7 +334,8 @@ def test_gpu_primitives_match_xla(cfg):
     inp = make_inputs(zlib.crc32(name.encode()), docs, H=H, HV=HV, K=K, V=V, dtype=dtype,
                       qk_l2norm=l2, initial_state=h0)
     pairs = primitive_pairs(inp, l2)
-    assert pairs["h"][0].dtype == jnp.bfloat16 and pairs["h"][1].dtype == jnp.float32
+    for key in ("h", "w", "v_new"):  # bf16 on cuda (rounded from f32), f32 on xla
+        assert pairs[key][0].dtype == jnp.bfloat16 and pairs[key][1].dtype == jnp.float32, key
     errs = {}
     for key, (c, x) in pairs.items():
         c, x = np.asarray(c, np.float64), np.asarray(x, np.float64)

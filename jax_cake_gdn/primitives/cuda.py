@@ -207,11 +207,11 @@ def gate_cumsum(g, chunk_start, chunk_len):
 
 # ------------------------------------------------------------------------------------------------
 # Forward kernels (cuda/prep.cu, state_walk.cu, output.cu, l2norm.cu). Interfaces follow
-# primitives/xla.py with the chunk table passed as arrays; intermediates (A, w, u, v_new) are
-# float32 exactly as there, but the state tape h is bfloat16 (the f32 state rounded to nearest:
-# every kernel that reads it used it only as a bf16 operand), as is the backward's dS_end. The
-# cuda primitives therefore do not mix with the xla ones at h / dS_end (primitives/__init__.py:
-# one backend per call). q/k/v may be bfloat16 or float32 (same dtype); matrix products run on
+# primitives/xla.py with the chunk table passed as arrays; A and u are float32 exactly as there,
+# but w, v_new and the state tape h are bfloat16 (the f32 values rounded to nearest: every kernel
+# that reads them uses them only as bf16 operands), as is the backward's dS_end. The cuda
+# primitives therefore do not mix with the xla ones at w / h / v_new / dS_end without a cast
+# (primitives/__init__.py: one backend per call). q/k/v may be bfloat16 or float32 (same dtype); matrix products run on
 # bf16 tensor cores with float32 accumulation.
 # ------------------------------------------------------------------------------------------------
 
@@ -221,6 +221,8 @@ _QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 # An absent optional operand or result (no L2 norm, no saved scores): f32[1]. Not f32[0]: a
 # zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under shard_map (jax 0.11.2).
 _ABSENT = np.zeros((1,), np.float32)
+_W_FROM = "as the cuda prep / wy return it"
+_VNEW_FROM = "as the cuda state_walk returns it"
 
 
 def supports(K: int, V: int) -> bool:
@@ -254,12 +256,12 @@ def _qk(fn: str, q, k):
     return q, k
 
 
-def _tokens_v(fn: str, name: str, x, T: int):
-    """Rank and token count of a float32 [T, HV, V] array whose HV and V the caller reads (its
-    dtype is checked afterwards, with `_f32`)."""
+def _tokens_v(fn: str, name: str, x, T: int, dtype: str = "float32"):
+    """Rank and token count of a [T, HV, V] array whose HV and V the caller reads (its dtype,
+    named in the message, is checked afterwards)."""
     x = jnp.asarray(x)
     _check(x.ndim == 3 and x.shape[0] == T,
-           f"{fn}: {name} must be float32 [T, HV, V], got {x.shape}")
+           f"{fn}: {name} must be {dtype} [T, HV, V], got {x.shape}")
     return x
 
 
@@ -279,7 +281,8 @@ def _f32(fn: str, name: str, x, shape):
 
 
 def _bf16(fn: str, name: str, x, shape, what: str):
-    """A bfloat16 state tape (h, dS_end) of the given shape; `what` says where it comes from."""
+    """A bfloat16 intermediate (w, v_new, h, dS_end) of the given shape; `what` says where it
+    comes from."""
     x = jnp.asarray(x)
     _check(x.dtype == jnp.bfloat16,
            f"{fn}: {name} must be bfloat16 ({what}), got {x.dtype}")
@@ -364,28 +367,29 @@ def _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
 
 
 def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
-    """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1 [NC, HV, 64, 64], then
-    w = A diag(beta e^G) K [T, HV, K] and u = A diag(beta) V [T, HV, V], float32, in one kernel.
-    w and u are bitwise what `wy` gives on this A (the light backward's replay)."""
+    """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1 f32[NC, HV, 64, 64], then
+    w = A diag(beta e^G) K bf16[T, HV, K] (rounded to nearest: the walks use it only as a bf16
+    operand) and u = A diag(beta) V f32[T, HV, V], in one kernel. w and u are bitwise what `wy`
+    gives on this A (the light backward's replay)."""
     fn = "prep"
     k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
     T, _, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
-    A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.float32), ((T, HV, K), jnp.float32),
+    A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.float32), ((T, HV, K), jnp.bfloat16),
                          ((T, HV, V), jnp.float32)], k, v, beta, G, r, cs, cl)
     return A, w, u
 
 
 def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
-    """w = A diag(beta e^G) K [T, HV, K] and u = A diag(beta) V [T, HV, V], float32."""
+    """w = A diag(beta e^G) K bf16[T, HV, K] and u = A diag(beta) V f32[T, HV, V] (as `prep`)."""
     fn = "wy"
     k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
     T, _, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
     A = _f32(fn, "A", A, (NC, HV, _CHUNK, _CHUNK))
-    w, u = _call(fn, [((T, HV, K), jnp.float32), ((T, HV, V), jnp.float32)],
+    w, u = _call(fn, [((T, HV, K), jnp.bfloat16), ((T, HV, V), jnp.float32)],
                  k, v, beta, G, A, r, cs, cl)
     return w, u
 
@@ -399,7 +403,7 @@ def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, se
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
     u = _f32(fn, "u", u, (T, HV, V))
-    w = _f32(fn, "w", w, (T, HV, K))
+    w = _bf16(fn, "w", w, (T, HV, K), _W_FROM)
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
     sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
@@ -410,10 +414,11 @@ def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, se
 def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len):
     """Walk each segment's chunks in order from its entry state h0 [S, HV, K, V].
 
-    Returns h bfloat16 [NC, HV, K, V] (the state entering each chunk, rounded to nearest from the
-    walk's f32 state: the value `output` and `chunk_bwd` use as an operand), v_new float32
-    [T, HV, V] and the exit state of each segment float32 [S, HV, K, V] (h0 itself for an empty
-    segment). xla.state_walk returns the same h in float32.
+    w: bfloat16 [T, HV, K] as `prep` returns it. Returns h bfloat16 [NC, HV, K, V] (the state
+    entering each chunk, rounded to nearest from the walk's f32 state: the value `output` and
+    `chunk_bwd` use as an operand), v_new bfloat16 [T, HV, V] (likewise rounded from f32) and the
+    exit state of each segment float32 [S, HV, K, V] (h0 itself for an empty segment).
+    xla.state_walk returns the same h and v_new in float32.
     """
     fn = "state_walk"
     k = _qkv(fn, "k", k)
@@ -423,7 +428,7 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
     HV, V = u.shape[1], u.shape[2]
     NC, S = cs.shape[0], sl.shape[0]
     r = _rstd(fn, "rstd_k", rstd_k, T, H)
-    return tuple(_call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.float32),
+    return tuple(_call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
                             ((S, HV, K, V), jnp.float32)],
                        k, w, u, G, h0, r, cs, cl, sf, sla, sl))
 
@@ -431,16 +436,17 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
 def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
            out_dtype, with_scores: bool = False):
     """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att [NC, HV, 64, 64] f32 if asked
-    (else None). h: bfloat16 [NC, HV, K, V], as `state_walk` returns it (an f32 h, e.g. xla's,
-    must be cast first: `h.astype(jnp.bfloat16)` is the rounding the kernel used to apply)."""
+    (else None). h bfloat16 [NC, HV, K, V] and v_new bfloat16 [T, HV, V], as `state_walk`
+    returns them (f32 ones, e.g. xla's, must be cast first: `.astype(jnp.bfloat16)` is the
+    rounding the kernel used to apply)."""
     fn = "output"
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    v_new = _tokens_v(fn, "v_new", v_new, T)
+    v_new = _tokens_v(fn, "v_new", v_new, T, "bfloat16")
     HV, V = v_new.shape[1], v_new.shape[2]
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
-    v_new = _f32(fn, "v_new", v_new, (T, HV, V))
+    v_new = _bf16(fn, "v_new", v_new, (T, HV, V), _VNEW_FROM)
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
@@ -486,7 +492,7 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
              seg_last, seg_len, *, scale: float):
     """Reverse walk for the state gradients (xla.walk_bwd with the chunk table as arrays).
 
-    q, k: bf16/f32 [T, H, K]; w f32[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
+    q, k: bf16/f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
     the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64]
     (the saved Att) or None (recomputed in the kernel); rstd_q, rstd_k f32[T, H] or None.
     Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
@@ -503,7 +509,7 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
     do = do.astype(q.dtype)
-    w = _f32(fn, "w", w, (T, HV, K))
+    w = _bf16(fn, "w", w, (T, HV, K), _W_FROM)
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
@@ -531,8 +537,9 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     kernel rounds it to bf16 anyway); beta, G f32[T, HV]; A f32[NC, HV, 64, 64]; h, dS_end
     bf16[NC, HV, K, V] (as the cuda `state_walk` and `walk_bwd` return them; f32 ones from the xla
     primitives must be cast first, which rounds them as this kernel did before it took bf16);
-    v_new f32[T, HV, V]; rstd_q, rstd_k f32[T, H] or None. h and dS_end enter every product as
-    bf16 operands and e^{G_C} sum(dS_end o h) (dg) sums their bf16 values in f32.
+    v_new bf16[T, HV, V] (as the cuda `state_walk` returns it); rstd_q, rstd_k f32[T, H] or
+    None. h, v_new and dS_end enter every product as bf16 operands and e^{G_C} sum(dS_end o h)
+    (dg) sums their bf16 values in f32.
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
     The kernel gives per-value-head dq, dk w.r.t. the normalised q, k; `l2norm_bwd` (a second
     kernel) sums the GVA groups and applies the L2-norm backward.
@@ -555,7 +562,7 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     NC = cs.shape[0]
     A = _f32(fn, "A", A, (NC, HV, _CHUNK, _CHUNK))
     h = _bf16(fn, "h", h, (NC, HV, K, V), "the cuda state walk's tape")
-    v_new = _f32(fn, "v_new", v_new, (T, HV, V))
+    v_new = _bf16(fn, "v_new", v_new, (T, HV, V), _VNEW_FROM)
     dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
