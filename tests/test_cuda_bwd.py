@@ -511,7 +511,8 @@ _POISON_CHECK = textwrap.dedent("""
     q = jnp.ones((T, 1, K), jnp.bfloat16)
     i32 = lambda *x: jnp.asarray(x, jnp.int32)
     dS, dh0 = jax.jit(cuda.walk_bwd, static_argnames="scale")(
-        q, q, jnp.zeros((T, HV, K)), jnp.zeros((T, HV)), jnp.ones((T, HV, V), jnp.bfloat16),
+        q, q, jnp.zeros((T, HV, K), jnp.bfloat16), jnp.zeros((T, HV)),
+        jnp.ones((T, HV, V), jnp.bfloat16),
         jnp.ones((1, HV, K, V)), None, None, None, i32(0, 64, 128), i32(64, 64, 0), i32(0),
         i32(0), i32(64), scale=0.1)
     assert dS.dtype == jnp.bfloat16  # poison (0xFF bytes) is a NaN in bf16 too
