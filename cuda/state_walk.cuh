@@ -38,16 +38,14 @@
 // rounds h, v_new, q, k and Att, and every accumulation runs in the same order (which warp
 // computes an element does not change its mma sequence), so o matches state_walk + output bit for
 // bit (barring compiler contraction differences).
-// Cost (ptxas, sm_90a): K = V = 128, bf16: 240 registers, 193 KB shared memory (u staging and
-// v_new tile 64 x 128; q staging 16 KB, Q and K tiles 17 KB each, Att 9 KB), 1 CTA = 8 warps per
-// SM (the former 2 CTAs of 4 warps per (segment, head): 249 registers, 169 KB, 4 warps per SM).
-// f32 inputs, K = V = 128: 239 registers, 225 KB (of the 227 KB a CTA may have: no room to grow).
-// K = 64, V = 128: 200-205 registers, 129-145 KB, 1 CTA (8 warps). V = 64 (4 warps, 128
-// threads): K = 128 239 registers, 169 / 201 KB (bf16 / f32), 1 CTA; K = 64 160-167 registers,
-// 105 / 121 KB. No spills.
-// The state walk itself (4 warps, VT = 64, bf16 h store): K = 128 219-220 registers (168 with the
-// former f32 h store), 110 / 126 KB (bf16 / f32 k): 2 / 1 CTAs per SM; K = 64 168 registers,
-// 70 / 78 KB: 3 / 2 CTAs per SM. No spills.
+// Cost (ptxas, sm_90a, with the bf16 w staging): K = V = 128, bf16: 237-241 registers, 177 KB
+// shared memory (u staging and v_new tile 64 x 128; q staging 16 KB, Q and K tiles 17 KB each,
+// Att 9 KB), 1 CTA = 8 warps per SM. f32 inputs, K = V = 128: 209 KB. K = 64, V = 128: 200-205
+// registers, 121-137 KB, 1 CTA (8 warps). V = 64 (4 warps, 128 threads): K = 128 153 / 185 KB
+// (bf16 / f32), 1 CTA; K = 64 97 / 113 KB. No spills.
+// The state walk itself (4 warps, VT = 64, bf16 h and v_new stores): K = 128 216 registers,
+// 94 / 110 KB (bf16 / f32 k): 2 CTAs per SM; K = 64 164-168 registers, 62 / 70 KB: 3 CTAs per
+// SM. No spills.
 #pragma once
 
 #include "fwd_common.cuh"

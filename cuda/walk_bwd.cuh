@@ -11,8 +11,9 @@
 // One CTA of VT / 16 warps (2 VT threads, wb_threads) per (segment, value head, VT columns of
 // V). The dispatch (walk_bwd.cu, walk_bwd_vt) runs VT = V, one CTA per (segment, head)
 // covering all V columns (V = 128: 8 warps, 256 threads; V = 64: 4 warps, 128 threads), except
-// f32 inputs at K = V = 128, whose shared memory at VT = 128 (240 KB) is over the 227 KB a CTA
-// may have: that instantiation keeps VT = 64 (two 4-warp CTAs per (segment, head), as v0).
+// f32 inputs at K = V = 128, whose shared memory at VT = 128 (224 / 240 KB without / with saved
+// scores) is at or over the 227 KB a CTA may have: that instantiation keeps VT = 64 (two 4-warp
+// CTAs per (segment, head), as v0).
 // dS lives in registers as dS^T, warp wv owning value columns 16wv..16wv+15 of the CTA's VT and
 // all K rows, as m16n8 accumulator fragments (K / 8 of them). A C fragment of dS^T is a B
 // fragment of dS, so `Kd dS` takes dS from registers (rounded to bf16 per chunk; the f32 state is
@@ -43,13 +44,12 @@
 // Cost (ptxas -v, sm_90a, nvcc 13.0, CMakeLists.txt flags, with the bf16 dS_end store; no spills,
 // no stack frame, 1 barrier; dynamic shared memory without / with saved scores; 1 CTA per SM
 // except K = V = 64 bf16 without scores, 2):
-//   K = V = 128, bf16, VT = 128 (8 warps):  251 registers, 192 / 208 KB (dO staging 16 KB; dOs,
-//       dOg, Dvn 17 KB each; Q, K, W tiles 17 KB each; Att 9 KB): 8 warps per SM
-//   K = V = 128, f32,  VT = 64  (4 warps):  167 registers, 200 / 216 KB: 4 warps per SM
-//       (at VT = 128 it would need 240 / 256 KB)
-//   K = 64, V = 128, VT = 128 (8 warps):    bf16 251 registers, 136 / 152 KB; f32 251, 168 / 184 KB
-//   V = 64, VT = 64 (4 warps):              K = 128: bf16 168 registers, 160 / 176 KB; f32 167,
-//       200 / 216 KB. K = 64: bf16 168, 104 / 120 KB; f32 162, 128 / 144 KB
+//   K = V = 128, bf16, VT = 128 (8 warps):  251 registers, 176 / 192 KB (bf16 w staging 16 KB, dO
+//       staging 16 KB; dOs, dOg, Dvn 17 KB each; Q, K, W tiles 17 KB each; Att 9 KB): 8 warps/SM
+//   K = V = 128, f32,  VT = 64  (4 warps):  167 registers, 184 / 200 KB: 4 warps per SM
+//   K = 64, V = 128, VT = 128 (8 warps):    bf16 251 registers, 128 / 144 KB; f32 251, 160 / 176 KB
+//   V = 64, VT = 64 (4 warps):              K = 128: bf16 168 registers, 144 / 160 KB; f32 167,
+//       184 / 200 KB. K = 64: bf16 168, 96 / 112 KB; f32 162, 120 / 136 KB
 // (with the f32 dS_end store: 250 at K = V = 128 bf16, 251-252 at K = 128 VT = 64 and at
 // K = 64 VT = 128, 165 at K = V = 64 f32; the same CTAs per SM)
 // (v0 ran every shape at VT = 64: K = V = 128 bf16 was 252 registers, 160 / 176 KB, two 4-warp
