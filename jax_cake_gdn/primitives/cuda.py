@@ -211,8 +211,8 @@ def gate_cumsum(g, chunk_start, chunk_len):
 # but w, v_new and the state tape h are bfloat16 (the f32 values rounded to nearest: every kernel
 # that reads them uses them only as bf16 operands), as is the backward's dS_end. The cuda
 # primitives therefore do not mix with the xla ones at w / h / v_new / dS_end without a cast
-# (primitives/__init__.py: one backend per call). q/k/v may be bfloat16 or float32 (same dtype); matrix products run on
-# bf16 tensor cores with float32 accumulation.
+# (primitives/__init__.py: one backend per call). q/k/v may be bfloat16 or float32 (same
+# dtype); matrix products run on bf16 tensor cores with float32 accumulation.
 # ------------------------------------------------------------------------------------------------
 
 SUPPORTED_DIMS = (64, 128)  # head dims K and V the forward kernels are instantiated for
