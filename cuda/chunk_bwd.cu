@@ -92,7 +92,7 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       dispatch_head_dim(V, [&](auto vdim) {
         constexpr int VD = decltype(vdim)::value;
         err = launch(chunk_bwd_kernel<In, KD, VD>, dim3(static_cast<unsigned>(NC * HV)),
-                     kCbThreads, ChunkBwdSmem<KD, VD>::bytes, stream,
+                     kCbThreads, ChunkBwdSmem<In, KD, VD>::bytes, stream,
                      static_cast<const In*>(q.untyped_data()),
                      static_cast<const In*>(k.untyped_data()),
                      static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),

@@ -33,9 +33,13 @@
 // are summed in a fixed order: the kernel is deterministic (no atomics).
 //
 // dK accumulates in registers across the stages (two 16 x 32 tiles per warp at K = 128); dQ, dV
-// are written as soon as they are final. Shared memory (K = V = 128: about 192 KB, 1 CTA / SM):
+// are written as soon as they are final. Shared memory (K = V = 128: about 209 KB, 1 CTA / SM):
 // persistent Ks, dvn (bf16), M (f32 64 x 64), small arrays; a phase-A region (Q, dO, vn, h, dS,
-// Att, dGam) that phase B reuses for dw, A, V, dA, A^T dA, dKK.
+// Att, dGam) that phase B reuses for dw, A, V, dA, A^T dA, dKK; A as stored (f32, 16 KB).
+// Loads: with bf16 inputs every stage-0 operand (h, dS_end, vn, q, k, dO, A, rstd) goes by
+// cp.async in one group, one wait (q, k are then scaled by rstd in place, each thread its own
+// pieces: the values a register pass would give), and V by cp.async at stage 5, in flight while
+// dw is computed; f32 inputs convert q, k, dO, V through registers as before.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -45,8 +49,9 @@ namespace jax_cake_gdn {
 constexpr int kCbThreads = 256;
 constexpr int kCbWarps = kCbThreads / 32;
 
-template <int K, int V>
+template <typename In, int K, int V>
 struct ChunkBwdSmem {
+  static constexpr bool kRaw = std::is_same_v<In, bf16>;  // q, k, dO, v copied as they are
   static constexpr int KP = K + 8;       // bf16 pitch of 64 x K tiles
   static constexpr int VP = V + 8;       // bf16 pitch of 64 x V and K x V tiles
   static constexpr int TP = kChunk + 8;  // bf16 pitch of 64 x 64 tiles
@@ -60,8 +65,9 @@ struct ChunkBwdSmem {
   static constexpr size_t oDu = oKs + kTK;
   static constexpr size_t oM = oDu + kTV;
   static constexpr size_t oSmall = oM + size_t{kChunk} * MP * sizeof(float);
-  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red
-  static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32;
+  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red,
+  // rstd_q, rstd_k of the chunk's rows
+  static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32 + 2 * kChunk;
   // phase A
   static constexpr size_t oQ = oSmall + nSmall * sizeof(float);
   static constexpr size_t oDO = oQ + kTK;
@@ -70,7 +76,9 @@ struct ChunkBwdSmem {
   static constexpr size_t oDS = oH + kTS;
   static constexpr size_t oAtt = oDS + kTS;
   static constexpr size_t oDG = oAtt + kTT;
-  static constexpr size_t bytes = oDG + kTT;
+  // A (f32, as stored), prefetched at stage 0 for stage 5
+  static constexpr size_t oAraw = oDG + kTT;
+  static constexpr size_t bytes = oAraw + size_t{kChunk} * kChunk * sizeof(float);
   // phase B aliases
   static constexpr size_t oDw = oDS;   // 64 x K
   static constexpr size_t oA = oQ;     // 64 x 64
@@ -161,7 +169,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
                      float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
                      int HV, float scale) {
-  using Sm = ChunkBwdSmem<K, V>;
+  using Sm = ChunkBwdSmem<In, K, V>;
   constexpr int KP = Sm::KP, VP = Sm::VP, TP = Sm::TP, MP = Sm::MP;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::oKs);
@@ -176,6 +184,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   float* pe = pd + 4 * kChunk;   // [64][2] rowsum(N)
   float* sdG = pe + 2 * kChunk;  // [64]
   float* sRed = sdG + kChunk;    // [32]
+  float* sRq = sRed + 32;        // [64] rstd_q (bf16 inputs with L2 norm)
+  float* sRk = sRq + kChunk;     // [64] rstd_k
   bf16* Qs = reinterpret_cast<bf16*>(smem + Sm::oQ);
   bf16* DOs = reinterpret_cast<bf16*>(smem + Sm::oDO);
   bf16* VNs = reinterpret_cast<bf16*>(smem + Sm::oVN);
@@ -189,6 +199,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   bf16* DA = reinterpret_cast<bf16*>(smem + Sm::oDA);
   bf16* DKK = reinterpret_cast<bf16*>(smem + Sm::oDA);
   bf16* Xs = reinterpret_cast<bf16*>(smem + Sm::oX);
+  float* Araw = reinterpret_cast<float*>(smem + Sm::oAraw);
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;
   const int hk = hv / (HV / H);
@@ -217,21 +228,47 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cp_async16(DSs + r * VP + c8, sp + r * V + c8, true);
     }
     cp_async_tile_bf16<kChunk, V, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len);
+    if constexpr (Sm::kRaw) {  // bf16 q, k, dO as they are (q, k scaled in place below)
+      cp_async_tile_bf16<kChunk, K, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len);
+      cp_async_tile_bf16<kChunk, K, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len);
+      cp_async_tile_bf16<kChunk, V, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len);
+    }
+    if (Sm::kRaw && tid < 2 * kChunk) {  // rstd of the chunk's rows, for the in-place scaling
+      const float* r = tid < kChunk ? rstd_q : rstd_k;
+      const int t = tid % kChunk;
+      const bool ok = r != nullptr && t < len;
+      cp_async4((tid < kChunk ? sRq : sRk) + t, ok ? r + (cs.start + t) * H + hk : A, ok);
+    }
+    // A as stored (f32), for stage 5
+    const float* ag = A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+#pragma unroll
+    for (int j = 0; j < kChunk * kChunk / 4 / kCbThreads; ++j) {
+      const int idx = tid + j * kCbThreads;
+      cp_async16(Araw + 4 * idx, ag + 4 * idx, true);
+    }
     cp_async_commit();
   }
-  load_tile_bf16<kChunk, K, 8, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
-                                           ScaleRstd{rstd_q, cs.start, H, hk});
-  load_tile_bf16<kChunk, K, 8, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
-                                           ScaleRstd{rstd_k, cs.start, H, hk});
-  load_tile_bf16<kChunk, V, 8, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len,
-                                           ScaleOne{});
+  if constexpr (!Sm::kRaw) {
+    load_tile_bf16<kChunk, K, 8, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
+                                             ScaleRstd{rstd_q, cs.start, H, hk});
+    load_tile_bf16<kChunk, K, 8, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
+                                             ScaleRstd{rstd_k, cs.start, H, hk});
+    load_tile_bf16<kChunk, V, 8, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len,
+                                             ScaleOne{});
+  }
   if (tid < kChunk) {
     sG[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];  // padding rows: G = G_C (as xla)
     sB[tid] = tid < len ? beta[(cs.start + tid) * HV + hv] : 0.f;
   }
   // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over the pieces it copied (its own
-  // cp.async writes are visible to it after the wait), in a fixed order
+  // cp.async writes are visible to it after the wait), in a fixed order; likewise the rstd
+  // scaling of its own q, k pieces
   cp_async_wait_all();
+  if constexpr (Sm::kRaw) {
+    if (rstd_q != nullptr || rstd_k != nullptr) __syncthreads();  // sRq, sRk from other threads
+    if (rstd_q != nullptr) scale_tile_bf16<kChunk, K, kCbThreads>(Qs, KP, len, sRq);
+    if (rstd_k != nullptr) scale_tile_bf16<kChunk, K, kCbThreads>(Ks, KP, len, sRk);
+  }
   {
     float hds = 0.f;
 #pragma unroll 2
@@ -361,11 +398,22 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   }
   __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
 
-  // ---- stage 5: A, V into freed slots; dw = -dvn h^T -> Dw (bf16, dS's slot)
-  load_tile_bf16<kChunk, kChunk, 8, kCbThreads>(
-      As, TP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk,
-      ScaleOne{});
-  load_tile_bf16<kChunk, V, 8, kCbThreads>(Vs, VP, v + v_off, int64_t{HV} * V, len, ScaleOne{});
+  // ---- stage 5: A (prefetched, f32) -> bf16 into Q's slot; V into dO's slot (bf16: cp.async,
+  //               in flight during dw); dw = -dvn h^T -> Dw (bf16, dS's slot)
+  if constexpr (Sm::kRaw) {
+    // (issue loop unrolled at V = 128, rolled at V = 64: the choice without spills, ptxas 13.0)
+    cp_async_tile_bf16<kChunk, V, kCbThreads, V == 128>(Vs, VP, v + v_off, int64_t{HV} * V, len);
+    cp_async_commit();
+  }
+#pragma unroll
+  for (int j = 0; j < kChunk * kChunk / 8 / kCbThreads; ++j) {
+    const int idx = tid + j * kCbThreads, r = idx / (kChunk / 8), c8 = (idx % (kChunk / 8)) * 8;
+    float f[8];
+    lds8(Araw + r * kChunk + c8, f);
+    sts8_bf16(As + r * TP + c8, f, 1.f);
+  }
+  if constexpr (!Sm::kRaw)
+    load_tile_bf16<kChunk, V, 8, kCbThreads>(Vs, VP, v + v_off, int64_t{HV} * V, len, ScaleOne{});
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
@@ -382,6 +430,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       }
     }
   }
+  if constexpr (Sm::kRaw) cp_async_wait_all();
   __syncthreads();
 
   // ---- stage 6: dA = diag-col(beta) (du V^T + diag-col(e^G) dw K^T) -> DA (bf16);
