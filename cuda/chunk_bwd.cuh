@@ -22,8 +22,8 @@
 // Every product runs on mma.sync m16n8k16 (bf16 operands from shared memory, f32 accumulate):
 // one generic warp tile (16 x 32 of a 64 x N result, N in {64, K, V}; 8 warps cover 64 x 64 in
 // one tile each and 64 x 128 in two) over ldmatrix-fed operands in any of the four transposition
-// layouts. f32 intermediates (A, dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
-// become operands. h, dS_end and vn arrive in bf16 (the walks round them when they write them, to
+// layouts. f32 intermediates (dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
+// become operands. A, h, dS_end and vn arrive in bf16 (the walks round them when they write them, to
 // the values this kernel rounded them to itself before) and go straight into their tiles by
 // cp.async; e^{G_C} sum(dS o h), their only other use, sums these bf16 values in f32. A CPU
 // emulation of exactly these roundings (before v5: with that sum in f32 h, dS) against the f32
@@ -33,9 +33,9 @@
 // are summed in a fixed order: the kernel is deterministic (no atomics).
 //
 // dK accumulates in registers across the stages (two 16 x 32 tiles per warp at K = 128); dQ, dV
-// are written as soon as they are final. Shared memory (K = V = 128: about 209 KB, 1 CTA / SM):
+// are written as soon as they are final. Shared memory (K = V = 128: about 202 KB, 1 CTA / SM):
 // persistent Ks, dvn (bf16), M (f32 64 x 64), small arrays; a phase-A region (Q, dO, vn, h, dS,
-// Att, dGam) that phase B reuses for dw, A, V, dA, A^T dA, dKK; A as stored (f32, 16 KB).
+// Att, dGam) that phase B reuses for dw, V, dA, A^T dA, dKK; A (bf16, as prep stored it).
 // Loads: with bf16 inputs every stage-0 operand (h, dS_end, vn, q, k, dO, A, rstd) goes by
 // cp.async in one group, one wait (q, k are then scaled by rstd in place, each thread its own
 // pieces: the values a register pass would give), and V by cp.async at stage 5, in flight while
@@ -76,17 +76,15 @@ struct ChunkBwdSmem {
   static constexpr size_t oDS = oH + kTS;
   static constexpr size_t oAtt = oDS + kTS;
   static constexpr size_t oDG = oAtt + kTT;
-  // A (f32, as stored), prefetched at stage 0 for stage 5
-  static constexpr size_t oAraw = oDG + kTT;
-  static constexpr size_t bytes = oAraw + size_t{kChunk} * kChunk * sizeof(float);
+  // A (bf16, as stored), copied at stage 0, read from stage 6 on
+  static constexpr size_t oA = oDG + kTT;
+  static constexpr size_t bytes = oA + kTT;
   // phase B aliases
   static constexpr size_t oDw = oDS;   // 64 x K
-  static constexpr size_t oA = oQ;     // 64 x 64
   static constexpr size_t oV = oDO;    // 64 x V
   static constexpr size_t oDA = oAtt;  // 64 x 64, later dKK
   static constexpr size_t oX = oDG;    // 64 x 64
   static_assert(size_t{kChunk} * KP <= size_t{K} * VP, "dw does not fit dS's slot");
-  static_assert(kTT <= kTK, "A does not fit Q's slot");
   static_assert(oQ % 16 == 0, "misaligned tiles");
   static_assert(bytes <= 227 * 1024, "chunk_bwd: shared memory over the sm_90 limit");
 };
@@ -161,7 +159,7 @@ template <typename In, int K, int V>
 __global__ void __launch_bounds__(kCbThreads, 1)
     chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,
                      const float* __restrict__ beta, const float* __restrict__ G,
-                     const float* __restrict__ A, const bf16* __restrict__ h,
+                     const bf16* __restrict__ A, const bf16* __restrict__ h,
                      const bf16* __restrict__ v_new, const bf16* __restrict__ dS_end,
                      const In* __restrict__ dout, const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
@@ -199,7 +197,6 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   bf16* DA = reinterpret_cast<bf16*>(smem + Sm::oDA);
   bf16* DKK = reinterpret_cast<bf16*>(smem + Sm::oDA);
   bf16* Xs = reinterpret_cast<bf16*>(smem + Sm::oX);
-  float* Araw = reinterpret_cast<float*>(smem + Sm::oAraw);
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;
   const int hk = hv / (HV / H);
@@ -237,15 +234,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       const float* r = tid < kChunk ? rstd_q : rstd_k;
       const int t = tid % kChunk;
       const bool ok = r != nullptr && t < len;
-      cp_async4((tid < kChunk ? sRq : sRk) + t, ok ? r + (cs.start + t) * H + hk : A, ok);
+      cp_async4((tid < kChunk ? sRq : sRk) + t, ok ? r + (cs.start + t) * H + hk : G, ok);
     }
-    // A as stored (f32), for stage 5
-    const float* ag = A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
-#pragma unroll
-    for (int j = 0; j < kChunk * kChunk / 4 / kCbThreads; ++j) {
-      const int idx = tid + j * kCbThreads;
-      cp_async16(Araw + 4 * idx, ag + 4 * idx, true);
-    }
+    // A as stored (bf16), for stage 6 on
+    cp_async_tile_bf16<kChunk, kChunk, kCbThreads>(
+        As, TP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
     cp_async_commit();
   }
   if constexpr (!Sm::kRaw) {
@@ -398,19 +391,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   }
   __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
 
-  // ---- stage 5: A (prefetched, f32) -> bf16 into Q's slot; V into dO's slot (bf16: cp.async,
-  //               in flight during dw); dw = -dvn h^T -> Dw (bf16, dS's slot)
+  // ---- stage 5: V into dO's slot (bf16: cp.async, in flight during dw); dw = -dvn h^T -> Dw
+  //               (bf16, dS's slot)
   if constexpr (Sm::kRaw) {
     // (issue loop unrolled at V = 128, rolled at V = 64: the choice without spills, ptxas 13.0)
     cp_async_tile_bf16<kChunk, V, kCbThreads, V == 128>(Vs, VP, v + v_off, int64_t{HV} * V, len);
     cp_async_commit();
-  }
-#pragma unroll
-  for (int j = 0; j < kChunk * kChunk / 8 / kCbThreads; ++j) {
-    const int idx = tid + j * kCbThreads, r = idx / (kChunk / 8), c8 = (idx % (kChunk / 8)) * 8;
-    float f[8];
-    lds8(Araw + r * kChunk + c8, f);
-    sts8_bf16(As + r * TP + c8, f, 1.f);
   }
   if constexpr (!Sm::kRaw)
     load_tile_bf16<kChunk, V, 8, kCbThreads>(Vs, VP, v + v_off, int64_t{HV} * V, len, ScaleOne{});
