@@ -128,8 +128,9 @@ def chunk_bwd_pairs(inp, qk_l2norm):
                                    scale=scale),
                 "xla_r": X.chunk_bwd(q, k, v, beta, G, A, w, u, hb.astype(f32), vn, None,
                                      dSb.astype(f32), do, rq, rk, ct, scale=scale),
-                "cuda": cuda.chunk_bwd(q, k, v, beta, G, A, hb, vn.astype(jnp.bfloat16), dSb, do,
-                                       rq, rk, ct.start, ct.length, scale=scale)}
+                "cuda": cuda.chunk_bwd(q, k, v, beta, G, A.astype(jnp.bfloat16), hb,
+                                       vn.astype(jnp.bfloat16), dSb, do, rq, rk, ct.start,
+                                       ct.length, scale=scale)}
 
     return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
                inp["dfinal"], inp["cu"])
@@ -179,7 +180,7 @@ def _abstract_chunk(T=300, H=2, HV=6, K=128, V=128, NC=9, dtype=jnp.bfloat16):
     sds = jax.ShapeDtypeStruct
     f32, i32 = jnp.float32, jnp.int32
     return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), v=sds((T, HV, V), dtype),
-                beta=sds((T, HV), f32), G=sds((T, HV), f32), A=sds((NC, HV, 64, 64), f32),
+                beta=sds((T, HV), f32), G=sds((T, HV), f32), A=sds((NC, HV, 64, 64), jnp.bfloat16),
                 h=sds((NC, HV, K, V), jnp.bfloat16), v_new=sds((T, HV, V), jnp.bfloat16),
                 dS_end=sds((NC, HV, K, V), jnp.bfloat16), do=sds((T, HV, V), dtype),
                 rq=sds((T, H), f32),
@@ -201,8 +202,8 @@ def test_lower_chunk_bwd_for_cuda(dims, l2):
     calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_chunk_bwd" in ln]
     assert len(calls) == 1, hlo
     call = calls[0]
-    # operands A (f32), h (bf16), v_new (bf16), dS_end (bf16)
-    assert (f"tensor<9x6x64x64xf32>, tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>, "
+    # operands A (bf16), h (bf16), v_new (bf16), dS_end (bf16)
+    assert (f"tensor<9x6x64x64xbf16>, tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>, "
             f"tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>") in call, call
     # per-value-head dQ, dK (f32), dV in v's dtype, dg, dbeta
     assert (f"tensor<300x6x{K}xf32>, tensor<300x6x{K}xf32>, tensor<300x6x{V}xbf16>, "
@@ -250,10 +251,10 @@ def test_cuda_gradient_uses_the_backward_kernels(save_mode):
 
 
 @pytest.mark.parametrize("save_mode", ["light", "full"])
-def test_saved_layout_on_cuda_keeps_w_h_v_new_in_bf16(save_mode):
+def test_saved_layout_on_cuda_keeps_bf16_intermediates(save_mode):
     """saved_layout(backend="cuda") equals the residuals JAX keeps for gdn(backend="cuda") (traced
-    abstractly, no GPU needed); full mode keeps w, the h tape and v_new in bf16 there (f32 on
-    xla), so saved_bytes drops by half of each."""
+    abstractly, no GPU needed); A (both modes) and, in full mode, w, the h tape and v_new are kept
+    in bf16 there (f32 on xla), so saved_bytes drops by half of each."""
     need_ext()
     q, k, v, g, beta, h0, _ = _abstract_gdn()
     cu = jnp.asarray([0, 1, 64, 64, 200, 300], jnp.int32)  # 5 documents, T = 300
@@ -269,17 +270,16 @@ def test_saved_layout_on_cuda_keeps_w_h_v_new_in_bf16(save_mode):
             == sorted((tuple(x.shape), str(x.dtype)) for x in kept))
     xla_layout = J.saved_layout(q, k, v, g, beta, initial_state=h0, backend="xla", **kw)
     nb = lambda be: J.saved_bytes(q, k, v, g, beta, initial_state=h0, backend=be, **kw)
-    halved = ("h", "w", "v_new")  # bf16 on cuda, f32 on xla
-    if save_mode == "full":
-        saved = 0
-        for name in halved:
-            shape, dt, nbytes = layout[name]
-            assert dt == jnp.bfloat16, name
-            assert xla_layout[name] == (shape, np.dtype(np.float32), 2 * nbytes), name
-            saved += nbytes
-        assert nb("cuda") == nb("xla") - saved
-    else:
-        assert not set(halved) & set(layout) and nb("cuda") == nb("xla")
+    halved = ("A",) + (("h", "w", "v_new") if save_mode == "full" else ())  # bf16 on cuda
+    saved = 0
+    for name in halved:
+        shape, dt, nbytes = layout[name]
+        assert dt == jnp.bfloat16, name
+        assert xla_layout[name] == (shape, np.dtype(np.float32), 2 * nbytes), name
+        saved += nbytes
+    assert nb("cuda") == nb("xla") - saved
+    if save_mode == "light":
+        assert not {"h", "w", "v_new"} & set(layout)
     # everything else is kept in the same dtypes on both backends
     assert {n: x for n, x in layout.items() if n not in halved} == {
         n: x for n, x in xla_layout.items() if n not in halved}
@@ -336,7 +336,7 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
     cs = jnp.zeros((NC,), jnp.int32)
 
     def call(**kw):
-        a = dict(q=q, k=q, v=v, beta=th, G=th, A=jnp.zeros((NC, HV, 64, 64), f32), h=st,
+        a = dict(q=q, k=q, v=v, beta=th, G=th, A=jnp.zeros((NC, HV, 64, 64), jnp.bfloat16), h=st,
                  v_new=v, dS_end=st, do=v, rstd_q=None, rstd_k=None,
                  chunk_start=cs, chunk_len=cs)
         a.update(kw)
@@ -351,7 +351,8 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
         (dict(v=v[:, :5]), "multiple of H"),
         (dict(do=v[:50]), "do must have v's shape"),
         (dict(beta=th[:, :2]), "beta must have shape"),
-        (dict(A=jnp.zeros((NC, HV, 64, 32), f32)), "A must have shape"),
+        (dict(A=jnp.zeros((NC, HV, 64, 32), jnp.bfloat16)), "A must have shape"),
+        (dict(A=jnp.zeros((NC, HV, 64, 64), f32)), "A must be bfloat16 (as the cuda prep returns it)"),
         (dict(h=st[:2]), "h must have shape"),
         (dict(dS_end=st.astype(f32)), "dS_end must be bfloat16"),
         (dict(h=st.astype(f32)), "h must be bfloat16"),
