@@ -98,7 +98,8 @@ def walk_pairs(inp, qk_l2norm):
         wb = w.astype(bf)
         out = {"xla": X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale),
                "cuda": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, *tab, scale=scale),
-               "cuda_sc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc, rq, rk, *tab, scale=scale),
+               "cuda_sc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc.astype(bf), rq, rk, *tab,
+                                        scale=scale),
                "cuda_scc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc_cuda, rq, rk, *tab,
                                          scale=scale)}
         return out, ct.length
@@ -150,7 +151,7 @@ def _abstract_walk(T=300, H=2, HV=6, K=128, V=128, S=5, NC=9, dtype=jnp.bfloat16
     f32, i32 = jnp.float32, jnp.int32
     return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), w=sds((T, HV, K), jnp.bfloat16),
                 G=sds((T, HV), f32), do=sds((T, HV, V), dtype), dfinal=sds((S, HV, K, V), f32),
-                scores=sds((NC, HV, 64, 64), f32), rq=sds((T, H), f32), rk=sds((T, H), f32),
+                scores=sds((NC, HV, 64, 64), jnp.bfloat16), rq=sds((T, H), f32), rk=sds((T, H), f32),
                 cs=sds((NC,), i32), cl=sds((NC,), i32), sf=sds((S,), i32), sl=sds((S,), i32),
                 sn=sds((S,), i32))
 
@@ -171,8 +172,9 @@ def test_lower_walk_bwd_for_cuda(with_scores, l2):
     assert len(calls) == 1, hlo
     call = calls[0]
     assert "-> (tensor<9x6x128x128xbf16>, tensor<5x6x128x128xf32>)" in call  # dS_end, dh0
-    assert ("tensor<9x6x64x64xf32>" in call) == with_scores
-    assert ("tensor<1xf32>" in call) == (not with_scores or not l2)  # absent: f32[1]
+    assert ("tensor<9x6x64x64xbf16>" in call) == with_scores
+    assert ("tensor<1xbf16>" in call) == (not with_scores)  # absent scores: bf16[1]
+    assert ("tensor<1xf32>" in call) == (not l2)  # absent rstd: f32[1]
     assert "stablehlo.while" not in hlo
 
 
@@ -253,8 +255,8 @@ def test_cuda_gradient_uses_the_backward_kernels(save_mode):
 @pytest.mark.parametrize("save_mode", ["light", "full"])
 def test_saved_layout_on_cuda_keeps_bf16_intermediates(save_mode):
     """saved_layout(backend="cuda") equals the residuals JAX keeps for gdn(backend="cuda") (traced
-    abstractly, no GPU needed); A (both modes) and, in full mode, w, the h tape and v_new are kept
-    in bf16 there (f32 on xla), so saved_bytes drops by half of each."""
+    abstractly, no GPU needed); A (both modes) and, in full mode, w, the h tape, v_new and the
+    scores are kept in bf16 there (f32 on xla), so saved_bytes drops by half of each."""
     need_ext()
     q, k, v, g, beta, h0, _ = _abstract_gdn()
     cu = jnp.asarray([0, 1, 64, 64, 200, 300], jnp.int32)  # 5 documents, T = 300
@@ -270,7 +272,8 @@ def test_saved_layout_on_cuda_keeps_bf16_intermediates(save_mode):
             == sorted((tuple(x.shape), str(x.dtype)) for x in kept))
     xla_layout = J.saved_layout(q, k, v, g, beta, initial_state=h0, backend="xla", **kw)
     nb = lambda be: J.saved_bytes(q, k, v, g, beta, initial_state=h0, backend=be, **kw)
-    halved = ("A",) + (("h", "w", "v_new") if save_mode == "full" else ())  # bf16 on cuda
+    full = ("h", "w", "v_new", "scores")
+    halved = ("A",) + (full if save_mode == "full" else ())  # bf16 on cuda, f32 on xla
     saved = 0
     for name in halved:
         shape, dt, nbytes = layout[name]
@@ -279,7 +282,7 @@ def test_saved_layout_on_cuda_keeps_bf16_intermediates(save_mode):
         saved += nbytes
     assert nb("cuda") == nb("xla") - saved
     if save_mode == "light":
-        assert not {"h", "w", "v_new"} & set(layout)
+        assert not set(full) & set(layout)
     # everything else is kept in the same dtypes on both backends
     assert {n: x for n, x in layout.items() if n not in halved} == {
         n: x for n, x in xla_layout.items() if n not in halved}
@@ -314,7 +317,9 @@ def test_bad_inputs_raise_value_error():
         (dict(w=w.astype(jnp.float32)), "w must be bfloat16 (as the cuda prep / wy return it)"),
         (dict(G=G[:, :2]), "G must have shape"),
         (dict(dfinal=df[:2]), "dfinal must have shape"),
-        (dict(scores=jnp.zeros((NC, HV, 64, 32), jnp.float32)), "scores must have shape"),
+        (dict(scores=jnp.zeros((NC, HV, 64, 32), jnp.bfloat16)), "scores must have shape"),
+        (dict(scores=jnp.zeros((NC, HV, 64, 64), jnp.float32)),
+         "scores must be bfloat16 (as the cuda output returns it)"),
         (dict(rstd_q=jnp.zeros((T, H + 1), jnp.float32)), "rstd_q"),
         (dict(rstd_k=jnp.zeros((T, H), jnp.bfloat16)), "rstd_k must be float32"),
         (dict(chunk_len=cs[:2]), "chunk_len"),

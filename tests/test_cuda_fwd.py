@@ -339,7 +339,7 @@ def test_gpu_primitives_match_xla(cfg):
     inp = make_inputs(zlib.crc32(name.encode()), docs, H=H, HV=HV, K=K, V=V, dtype=dtype,
                       qk_l2norm=l2, initial_state=h0)
     pairs = primitive_pairs(inp, l2)
-    for key in ("A", "h", "w", "v_new"):  # bf16 on cuda (rounded from f32), f32 on xla
+    for key in ("A", "h", "w", "v_new", "scores"):  # bf16 on cuda (rounded from f32), f32 on xla
         assert pairs[key][0].dtype == jnp.bfloat16 and pairs[key][1].dtype == jnp.float32, key
     errs = {}
     for key, (c, x) in pairs.items():

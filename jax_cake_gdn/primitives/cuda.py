@@ -218,8 +218,9 @@ def gate_cumsum(g, chunk_start, chunk_len):
 SUPPORTED_DIMS = (64, 128)  # head dims K and V the forward kernels are instantiated for
 _CHUNK = 64
 _QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
-# An absent optional operand or result (no L2 norm, no saved scores): f32[1]. Not f32[0]: a
-# zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under shard_map (jax 0.11.2).
+# An absent optional operand or result (no L2 norm; no saved scores, there as bf16[1]): f32[1].
+# Not f32[0]: a zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under
+# shard_map (jax 0.11.2).
 _ABSENT = np.zeros((1,), np.float32)
 _A_FROM = "as the cuda prep returns it"
 _W_FROM = "as the cuda prep / wy return it"
@@ -438,8 +439,8 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
 
 def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
            out_dtype, with_scores: bool = False):
-    """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att [NC, HV, 64, 64] f32 if asked
-    (else None). h bfloat16 [NC, HV, K, V] and v_new bfloat16 [T, HV, V], as `state_walk`
+    """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att bf16[NC, HV, 64, 64] if asked
+    (else None; rounded to nearest: walk_bwd uses it only as a bf16 operand). h bfloat16 [NC, HV, K, V] and v_new bfloat16 [T, HV, V], as `state_walk`
     returns them (f32 ones, e.g. xla's, must be cast first: `.astype(jnp.bfloat16)` is the
     rounding the kernel used to apply)."""
     fn = "output"
@@ -458,7 +459,7 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
     s_shape = (NC, HV, _CHUNK, _CHUNK) if with_scores else _ABSENT.shape
-    o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.float32)],
+    o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.bfloat16)],
                       q, k, G, h, v_new, rq, rk, cs, cl, scale=np.float32(scale))
     return o, (scores if with_scores else None)
 
@@ -496,8 +497,8 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     """Reverse walk for the state gradients (xla.walk_bwd with the chunk table as arrays).
 
     q, k: bf16/f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
-    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64]
-    (the saved Att) or None (recomputed in the kernel); rstd_q, rstd_k f32[T, H] or None.
+    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64]
+    (the saved Att, as the cuda `output` returns it) or None (recomputed in the kernel); rstd_q, rstd_k f32[T, H] or None.
     Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
     from the walk's f32 gradient: `chunk_bwd` uses it only as a bf16 operand; 0 for unused chunks;
     xla.walk_bwd returns it in float32) and dh0 f32[S, HV, K, V] (gradient of each segment's entry
@@ -520,9 +521,9 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     S = sl.shape[0]
     dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
     if scores is None:
-        sc = jnp.asarray(_ABSENT)
+        sc = jnp.asarray(_ABSENT, jnp.bfloat16)
     else:
-        sc = _f32(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK))
+        sc = _bf16(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK), "as the cuda output returns it")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     dS_end, dh0 = _call(fn, [((NC, HV, K, V), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
