@@ -62,9 +62,9 @@ struct OutputSmem {
   }
 };
 
-template <typename In, typename Out, int K>
 // (min 1 CTA/SM in the bounds: without it ptxas 13.0 caps bf16 K = 128 at 128 registers and
 // spills; its 85 KB of shared memory sets 2 CTAs/SM either way)
+template <typename In, typename Out, int K>
 __global__ void __launch_bounds__(kOutThreads, 1)
     output_kernel(const In* __restrict__ q, const In* __restrict__ k,
                   const float* __restrict__ G, const bf16* __restrict__ h,
