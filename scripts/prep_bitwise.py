@@ -52,7 +52,8 @@ def dump(path):
             return A, w, u, wy, uy
 
         for key, x in zip(("A", "w", "u", "wy.w", "wy.u"), run(k, v, g, beta, jnp.asarray(cu))):
-            out[f"{name}.{key}"] = np.asarray(x)
+            x = np.asarray(x)  # raw bits (A and w are bf16, u f32): unsigned ints of their width
+            out[f"{name}.{key}"] = x.view(f"u{x.dtype.itemsize}")
     np.savez(path, **out)
     print(f"wrote {len(out)} arrays to {path}")
 
@@ -66,9 +67,9 @@ def compare(a_path, b_path):
             bad += 1
             continue
         x, y = a[key], b[key]
-        same = x.shape == y.shape and np.array_equal(x.view(np.uint32), y.view(np.uint32))
+        same = x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
         if not same:
-            nd = int(np.sum(x.view(np.uint32) != y.view(np.uint32))) if x.shape == y.shape else -1
+            nd = int(np.sum(x != y)) if x.shape == y.shape and x.dtype == y.dtype else -1
             print(f"{key}: DIFFERS ({nd} elements)")
             bad += 1
     print("bitwise equal" if bad == 0 else f"{bad} arrays differ")

@@ -208,11 +208,11 @@ def gate_cumsum(g, chunk_start, chunk_len):
 # ------------------------------------------------------------------------------------------------
 # Forward kernels (cuda/prep.cu, state_walk.cu, output.cu, l2norm.cu). Interfaces follow
 # primitives/xla.py with the chunk table passed as arrays; u is float32 exactly as there, but A,
-# w, v_new and the state tape h are bfloat16 (the f32 values rounded to nearest: every kernel that
-# reads them uses them only as bf16 operands), as is the backward's dS_end. The cuda primitives
-# therefore do not mix with the xla ones at A / w / h / v_new / dS_end without a cast
-# (primitives/__init__.py: one backend per call). q/k/v may be bfloat16 or float32 (same dtype); matrix products run on
-# bf16 tensor cores with float32 accumulation.
+# w, v_new, the scores and the state tape h are bfloat16 (the f32 values rounded to nearest:
+# every kernel that reads them uses them only as bf16 operands), as is the backward's dS_end. The
+# cuda primitives therefore do not mix with the xla ones at these arrays without a cast
+# (primitives/__init__.py: one backend per call). q/k/v may be bfloat16 or float32 (same
+# dtype); matrix products run on bf16 tensor cores with float32 accumulation.
 # ------------------------------------------------------------------------------------------------
 
 SUPPORTED_DIMS = (64, 128)  # head dims K and V the forward kernels are instantiated for
