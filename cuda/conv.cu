@@ -17,8 +17,9 @@
 // W-1 rows after it) are read again: they are the neighbouring warp's rows, L1/L2 hits.
 //   forward:  VEC = 16 bytes (8 bf16 or 4 f32), TPT = 8;
 //   backward: VEC = 8 bytes (4 bf16 or 2 f32: 8 channels x W taps of state and 25 rows of
-//             16 bytes in flight would cost too many registers), TPT = 8; dx[u] needs the pre-activation gradient g at u..u+W-1, so
-//             the thread recomputes g for W-1 tokens past its tile.
+//             16 bytes in flight would cost too many registers), TPT = 8; dx[u] needs the
+//             pre-activation gradient g at u..u+W-1, so the thread recomputes g for W-1 tokens
+//             past its tile.
 // VEC = 1 when C is not a multiple of VEC or a buffer is misaligned. The chunk's weights go
 // through shared memory (coalesced global read, once per CTA).
 // dweight: the CTA of token block b (T / NB tokens, walked tile by tile) adds its warps' sums in

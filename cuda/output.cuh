@@ -7,10 +7,10 @@
 //
 // q, k (normalised by rstd when given) are rounded to bf16 in shared memory; h (the state
 // entering the chunk) and v_new are bf16 already (the state walk rounds them) and go straight
-// into their tiles with cp.async. Warp w owns output rows 16w..16w+15: its Q fragments stay in registers
-// for Q K^T and Q h; Att goes from accumulators to A fragments in registers (no shared round
-// trip) for Att v_new; o is produced in 64-column panels. e^G multiplies the rows of Q h (never
-// e^{-G}, which can overflow); Gam_ij = exp(G_i - G_j) is evaluated for i >= j only.
+// into their tiles with cp.async. Warp w owns output rows 16w..16w+15: its Q fragments stay in
+// registers for Q K^T and Q h; Att goes from accumulators to A fragments in registers (no shared
+// round trip) for Att v_new; o is produced in 64-column panels. e^G multiplies the rows of Q h
+// (never e^{-G}, which can overflow); Gam_ij = exp(G_i - G_j) is evaluated for i >= j only.
 #pragma once
 
 #include "fwd_common.cuh"

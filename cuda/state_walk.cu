@@ -78,8 +78,9 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
                    chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
                    seg_last.typed_data(), seg_len.typed_data(),
                    static_cast<bf16*>(h->untyped_data()),
-                   static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T, static_cast<int>(H),
-                   static_cast<int>(HV), static_cast<int>(V), static_cast<int>(NC),
+                   static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T,
+                   static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
+                   static_cast<int>(NC),
                    static_cast<const In*>(nullptr), static_cast<const float*>(nullptr),
                    static_cast<float*>(nullptr), 1.f);
     });
