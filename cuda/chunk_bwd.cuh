@@ -211,19 +211,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   // ---- stage 0: operands into shared memory (bf16), G, beta, and sum(dS o h) in f32
   // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
-  // into their operand tiles, in flight while q, k, dO are converted. Thread tid copies pieces
-  // tid + j * 256 (j < kPer) of h and dS_end.
+  // into their operand tiles (cp_async_tile_bf16: thread tid copies pieces tid + j * 256,
+  // j < kPer, of h and dS_end; the sum below walks the same pieces).
   constexpr int kV8 = V / 8, kPer = K * kV8 / kCbThreads;
-  static_assert(K * kV8 % kCbThreads == 0, "state tile does not split evenly");
   {
-    const bf16* hp = h + s_off;
-    const bf16* sp = dS_end + s_off;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int idx = tid + j * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
-      cp_async16(Hs + r * VP + c8, hp + r * V + c8, true);
-      cp_async16(DSs + r * VP + c8, sp + r * V + c8, true);
-    }
+    cp_async_tile_bf16<K, V, kCbThreads>(Hs, VP, h + s_off, V, K);
+    cp_async_tile_bf16<K, V, kCbThreads>(DSs, VP, dS_end + s_off, V, K);
     cp_async_tile_bf16<kChunk, V, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len);
     if constexpr (Sm::kRaw) {  // bf16 q, k, dO as they are (q, k scaled in place below)
       cp_async_tile_bf16<kChunk, K, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len);

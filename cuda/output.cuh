@@ -101,14 +101,12 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   const int64_t qk_off = cs.start * H * K + hk * K;
   // h (bf16 [K][V], 16-byte pieces) and v_new stream in while q, k are converted
   const bf16* hsrc = h + (static_cast<int64_t>(c) * HV + hv) * K * V;
-  for (int idx = tid; idx < K * V / 8; idx += kOutThreads) {
-    const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-    cp_async16(Hs + r * VP + c8, hsrc + static_cast<int64_t>(r) * V + c8, true);
-  }
   const bf16* vsrc = v_new + (cs.start * HV + hv) * V;
   if (V == 64) {
+    cp_async_tile_bf16<K, 64, kOutThreads>(Hs, VP, hsrc, V, K);
     cp_async_tile_bf16<kChunk, 64, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
   } else {
+    cp_async_tile_bf16<K, 128, kOutThreads>(Hs, VP, hsrc, V, K);
     cp_async_tile_bf16<kChunk, 128, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
   }
   cp_async_commit();

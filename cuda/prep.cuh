@@ -234,22 +234,12 @@ __device__ __forceinline__ void prep_write_a(bf16* __restrict__ out, const float
 // wy_load_tiles' and load_tile_bf16's (bf16(float(x) * s), s = (beta * e^G) * rstd), so Ks equals
 // wy's Ks bit for bit.
 //
-// bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (rows t >= len zero-filled) and
-// the thread that copied a 16-byte chunk later rescales that same chunk in place (so its own
-// cp.async.wait is all it needs): k now (prep_k_finish), v after the diagonal solve
-// (prep_v_finish), which hides v's load behind K K^T and the solve and keeps no load data in
-// registers. f32 inputs: through registers (one global read of k, two shared stores).
-template <int D>
-__device__ __forceinline__ void prep_async_tile(bf16* dst, const bf16* src, int64_t row_stride,
-                                                int len) {
-  constexpr int kVpr = D / 8, kPer = kChunk * kVpr / kPrepThreads;
-  static_assert(kChunk * kVpr % kPrepThreads == 0, "tile does not split evenly");
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int idx = threadIdx.x + j * kPrepThreads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
-    cp_async16(dst + t * kWyXP + c8, src + min(t, len - 1) * row_stride + c8, t < len);
-  }
-}
+// bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (cp_async_tile_bf16: rows
+// t >= len zero-filled) and the thread that copied a 16-byte chunk later rescales that same chunk
+// in place (so its own cp.async.wait is all it needs): k now (prep_k_finish), v after the
+// diagonal solve (scale_tile_bf16 by beta), which hides v's load behind K K^T and the solve and
+// keeps no load data in registers. f32 inputs: through registers (one global read of k, two
+// shared stores).
 
 // Per-row k scales of this thread's k chunks (row t = (tid + j * threads) / (K / 8), clamped):
 // rs = rstd, ks = beta e^G rstd, evaluated as in wy_load_tiles.
@@ -287,21 +277,6 @@ __device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
   }
 }
 
-// bf16: this thread's raw v chunks in Vs (all its cp.async groups done) -> v diag(beta) in place
-// (sb: beta per row, as loaded for L).
-template <int V>
-__device__ __forceinline__ void prep_v_finish(bf16* Vs, const float* sb, int len) {
-  constexpr int kVpr = V / 8, kPer = kChunk * kVpr / kPrepThreads;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int idx = threadIdx.x + j * kPrepThreads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
-    if (t < len) {
-      float f[8];
-      lds8(Vs + t * kWyXP + c8, f);
-      sts8_bf16(Vs + t * kWyXP + c8, f, sb[t]);
-    }
-  }
-}
 
 // f32: k rows -> Kr and Ks through registers, NB chunks per thread in flight (load_tile_bf16's
 // batching); then v as in wy_load_tiles.
@@ -374,12 +349,12 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   const float* gt = G + cs.start * HV + hv;
   const ScaleRstd rs{rstd, cs.start, H, hk};
   if constexpr (kAsync) {
-    prep_async_tile<K>(Ks, ksrc, int64_t{H} * K, len);
+    cp_async_tile_bf16<kChunk, K, kPrepThreads>(Ks, kWyXP, ksrc, int64_t{H} * K, len);
     cp_async_commit();
     if (V == 64) {
-      prep_async_tile<64>(Vs, vsrc, int64_t{HV} * V, len);
+      cp_async_tile_bf16<kChunk, 64, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
     } else {
-      prep_async_tile<128>(Vs, vsrc, int64_t{HV} * V, len);
+      cp_async_tile_bf16<kChunk, 128, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
     }
     cp_async_commit();
   }
@@ -478,9 +453,9 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   if constexpr (kAsync) {  // v diag(beta), this thread's chunks (read by wy_store after barriers)
     cp_async_wait_all();
     if (V == 64) {
-      prep_v_finish<64>(Vs, sb, len);
+      scale_tile_bf16<kChunk, 64, kPrepThreads>(Vs, kWyXP, len, sb);
     } else {
-      prep_v_finish<128>(Vs, sb, len);
+      scale_tile_bf16<kChunk, 128, kPrepThreads>(Vs, kWyXP, len, sb);
     }
   }
   __syncthreads();

@@ -205,14 +205,8 @@ __global__ void __launch_bounds__(wb_threads<VT>())
   // beyond its length).
   auto prefetch = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    constexpr int kWv = K / 8;  // 16-byte pieces per w row (bf16)
-#pragma unroll 4
-    for (int idx = tid; idx < kChunk * kWv; idx += kThreads) {
-      const int t = idx / kWv, c8 = (idx % kWv) * 8;
-      const bool ok = t < cs.len;
-      const bf16* src = ok ? w + ((cs.start + t) * HV + hv) * K + c8 : w;
-      cp_async16(stW + t * K + c8, src, ok);
-    }
+    cp_async_tile_bf16<kChunk, K, kThreads, false>(stW, K, w + (cs.start * HV + hv) * K,
+                                                   int64_t{HV} * K, cs.len);
     constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
     constexpr int kKv = K / kEl;
 #pragma unroll 4
