@@ -7,8 +7,8 @@
 //          dg f32[T, HV], dbeta f32[T, HV]
 //
 // q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
-// A f32[NC, HV, 64, 64]; h, dS_end bf16[NC, HV, K, V] (the walks' bf16 tapes); v_new
-// bf16[T, HV, V] (the state walk's); rstd_q, rstd_k f32[T, H] or f32[1] (no L2 norm); chunk
+// A bf16[NC, HV, 64, 64] (as prep stores it); h, dS_end bf16[NC, HV, K, V] (the walks' bf16
+// tapes); v_new bf16[T, HV, V] (the state walk's); rstd_q, rstd_k f32[T, H] or f32[1] (no L2 norm); chunk
 // table int32 (chunks.py). K, V in {64, 128}. Every token row is written by its chunk; unused
 // chunks (length 0) write nothing.
 #include "chunk_bwd.cuh"
@@ -21,7 +21,7 @@ namespace {
 
 ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
-                          ffi::Buffer<ffi::F32> A, ffi::Buffer<ffi::BF16> h,
+                          ffi::Buffer<ffi::BF16> A, ffi::Buffer<ffi::BF16> h,
                           ffi::Buffer<ffi::BF16> v_new, ffi::Buffer<ffi::BF16> dS_end,
                           ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> rstd_q,
                           ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
@@ -61,7 +61,7 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   const int64_t NC = chunk_start.dimensions()[0];
   JCG_CHECK_ARG(NC * HV < (int64_t{1} << 31), "NC * HV too large");
   JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
-                "A must be f32[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
+                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
   JCG_CHECK_ARG(dims_are(h.dimensions(), {NC, HV, K, V}),
                 "h must be bf16[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
   JCG_CHECK_ARG(dims_are(dS_end.dimensions(), {NC, HV, K, V}),
@@ -92,11 +92,12 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       dispatch_head_dim(V, [&](auto vdim) {
         constexpr int VD = decltype(vdim)::value;
         err = launch(chunk_bwd_kernel<In, KD, VD>, dim3(static_cast<unsigned>(NC * HV)),
-                     kCbThreads, ChunkBwdSmem<KD, VD>::bytes, stream,
+                     kCbThreads, ChunkBwdSmem<In, KD, VD>::bytes, stream,
                      static_cast<const In*>(q.untyped_data()),
                      static_cast<const In*>(k.untyped_data()),
                      static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
-                     A.typed_data(), static_cast<const bf16*>(h.untyped_data()),
+                     static_cast<const bf16*>(A.untyped_data()),
+                     static_cast<const bf16*>(h.untyped_data()),
                      static_cast<const bf16*>(v_new.untyped_data()),
                      static_cast<const bf16*>(dS_end.untyped_data()),
                      static_cast<const In*>(dout.untyped_data()),
@@ -123,7 +124,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_chunk_bwd, jax_cake_gdn::chunk_bwd_im
                                   .Arg<xla::ffi::AnyBuffer>()              // v
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // A
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // dS_end

@@ -22,8 +22,8 @@
 // Every product runs on mma.sync m16n8k16 (bf16 operands from shared memory, f32 accumulate):
 // one generic warp tile (16 x 32 of a 64 x N result, N in {64, K, V}; 8 warps cover 64 x 64 in
 // one tile each and 64 x 128 in two) over ldmatrix-fed operands in any of the four transposition
-// layouts. f32 intermediates (A, dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
-// become operands. h, dS_end and vn arrive in bf16 (the walks round them when they write them, to
+// layouts. f32 intermediates (dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
+// become operands. A, h, dS_end and vn arrive in bf16 (the walks round them when they write them, to
 // the values this kernel rounded them to itself before) and go straight into their tiles by
 // cp.async; e^{G_C} sum(dS o h), their only other use, sums these bf16 values in f32. A CPU
 // emulation of exactly these roundings (before v5: with that sum in f32 h, dS) against the f32
@@ -33,9 +33,13 @@
 // are summed in a fixed order: the kernel is deterministic (no atomics).
 //
 // dK accumulates in registers across the stages (two 16 x 32 tiles per warp at K = 128); dQ, dV
-// are written as soon as they are final. Shared memory (K = V = 128: about 192 KB, 1 CTA / SM):
+// are written as soon as they are final. Shared memory (K = V = 128: about 202 KB, 1 CTA / SM):
 // persistent Ks, dvn (bf16), M (f32 64 x 64), small arrays; a phase-A region (Q, dO, vn, h, dS,
-// Att, dGam) that phase B reuses for dw, A, V, dA, A^T dA, dKK.
+// Att, dGam) that phase B reuses for dw, V, dA, A^T dA, dKK; A (bf16, as prep stored it).
+// Loads: with bf16 inputs every stage-0 operand (h, dS_end, vn, q, k, dO, A, rstd) goes by
+// cp.async in one group, one wait (q, k are then scaled by rstd in place, each thread its own
+// pieces: the values a register pass would give), and V by cp.async at stage 5, in flight while
+// dw is computed; f32 inputs convert q, k, dO, V through registers as before.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -45,8 +49,9 @@ namespace jax_cake_gdn {
 constexpr int kCbThreads = 256;
 constexpr int kCbWarps = kCbThreads / 32;
 
-template <int K, int V>
+template <typename In, int K, int V>
 struct ChunkBwdSmem {
+  static constexpr bool kRaw = std::is_same_v<In, bf16>;  // q, k, dO, v copied as they are
   static constexpr int KP = K + 8;       // bf16 pitch of 64 x K tiles
   static constexpr int VP = V + 8;       // bf16 pitch of 64 x V and K x V tiles
   static constexpr int TP = kChunk + 8;  // bf16 pitch of 64 x 64 tiles
@@ -60,8 +65,9 @@ struct ChunkBwdSmem {
   static constexpr size_t oDu = oKs + kTK;
   static constexpr size_t oM = oDu + kTV;
   static constexpr size_t oSmall = oM + size_t{kChunk} * MP * sizeof(float);
-  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red
-  static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32;
+  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red,
+  // rstd_q, rstd_k of the chunk's rows
+  static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32 + 2 * kChunk;
   // phase A
   static constexpr size_t oQ = oSmall + nSmall * sizeof(float);
   static constexpr size_t oDO = oQ + kTK;
@@ -70,15 +76,15 @@ struct ChunkBwdSmem {
   static constexpr size_t oDS = oH + kTS;
   static constexpr size_t oAtt = oDS + kTS;
   static constexpr size_t oDG = oAtt + kTT;
-  static constexpr size_t bytes = oDG + kTT;
+  // A (bf16, as stored), copied at stage 0, read from stage 6 on
+  static constexpr size_t oA = oDG + kTT;
+  static constexpr size_t bytes = oA + kTT;
   // phase B aliases
   static constexpr size_t oDw = oDS;   // 64 x K
-  static constexpr size_t oA = oQ;     // 64 x 64
   static constexpr size_t oV = oDO;    // 64 x V
   static constexpr size_t oDA = oAtt;  // 64 x 64, later dKK
   static constexpr size_t oX = oDG;    // 64 x 64
   static_assert(size_t{kChunk} * KP <= size_t{K} * VP, "dw does not fit dS's slot");
-  static_assert(kTT <= kTK, "A does not fit Q's slot");
   static_assert(oQ % 16 == 0, "misaligned tiles");
   static_assert(bytes <= 227 * 1024, "chunk_bwd: shared memory over the sm_90 limit");
 };
@@ -153,7 +159,7 @@ template <typename In, int K, int V>
 __global__ void __launch_bounds__(kCbThreads, 1)
     chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,
                      const float* __restrict__ beta, const float* __restrict__ G,
-                     const float* __restrict__ A, const bf16* __restrict__ h,
+                     const bf16* __restrict__ A, const bf16* __restrict__ h,
                      const bf16* __restrict__ v_new, const bf16* __restrict__ dS_end,
                      const In* __restrict__ dout, const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
@@ -161,7 +167,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
                      float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
                      int HV, float scale) {
-  using Sm = ChunkBwdSmem<K, V>;
+  using Sm = ChunkBwdSmem<In, K, V>;
   constexpr int KP = Sm::KP, VP = Sm::VP, TP = Sm::TP, MP = Sm::MP;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::oKs);
@@ -176,6 +182,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   float* pe = pd + 4 * kChunk;   // [64][2] rowsum(N)
   float* sdG = pe + 2 * kChunk;  // [64]
   float* sRed = sdG + kChunk;    // [32]
+  float* sRq = sRed + 32;        // [64] rstd_q (bf16 inputs with L2 norm)
+  float* sRk = sRq + kChunk;     // [64] rstd_k
   bf16* Qs = reinterpret_cast<bf16*>(smem + Sm::oQ);
   bf16* DOs = reinterpret_cast<bf16*>(smem + Sm::oDO);
   bf16* VNs = reinterpret_cast<bf16*>(smem + Sm::oVN);
@@ -203,35 +211,50 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   // ---- stage 0: operands into shared memory (bf16), G, beta, and sum(dS o h) in f32
   // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
-  // into their operand tiles, in flight while q, k, dO are converted. Thread tid copies pieces
-  // tid + j * 256 (j < kPer) of h and dS_end.
+  // into their operand tiles (cp_async_tile_bf16: thread tid copies pieces tid + j * 256,
+  // j < kPer, of h and dS_end; the sum below walks the same pieces).
   constexpr int kV8 = V / 8, kPer = K * kV8 / kCbThreads;
-  static_assert(K * kV8 % kCbThreads == 0, "state tile does not split evenly");
   {
-    const bf16* hp = h + s_off;
-    const bf16* sp = dS_end + s_off;
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int idx = tid + j * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
-      cp_async16(Hs + r * VP + c8, hp + r * V + c8, true);
-      cp_async16(DSs + r * VP + c8, sp + r * V + c8, true);
-    }
+    cp_async_tile_bf16<K, V, kCbThreads>(Hs, VP, h + s_off, V, K);
+    cp_async_tile_bf16<K, V, kCbThreads>(DSs, VP, dS_end + s_off, V, K);
     cp_async_tile_bf16<kChunk, V, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len);
+    if constexpr (Sm::kRaw) {  // bf16 q, k, dO as they are (q, k scaled in place below)
+      cp_async_tile_bf16<kChunk, K, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len);
+      cp_async_tile_bf16<kChunk, K, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len);
+      cp_async_tile_bf16<kChunk, V, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len);
+    }
+    if (Sm::kRaw && tid < 2 * kChunk) {  // rstd of the chunk's rows, for the in-place scaling
+      const float* r = tid < kChunk ? rstd_q : rstd_k;
+      const int t = tid % kChunk;
+      const bool ok = r != nullptr && t < len;
+      cp_async4((tid < kChunk ? sRq : sRk) + t, ok ? r + (cs.start + t) * H + hk : G, ok);
+    }
+    // A as stored (bf16), for stage 6 on
+    cp_async_tile_bf16<kChunk, kChunk, kCbThreads>(
+        As, TP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
     cp_async_commit();
   }
-  load_tile_bf16<kChunk, K, 8, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
-                                           ScaleRstd{rstd_q, cs.start, H, hk});
-  load_tile_bf16<kChunk, K, 8, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
-                                           ScaleRstd{rstd_k, cs.start, H, hk});
-  load_tile_bf16<kChunk, V, 8, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len,
-                                           ScaleOne{});
+  if constexpr (!Sm::kRaw) {
+    load_tile_bf16<kChunk, K, 8, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
+                                             ScaleRstd{rstd_q, cs.start, H, hk});
+    load_tile_bf16<kChunk, K, 8, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
+                                             ScaleRstd{rstd_k, cs.start, H, hk});
+    load_tile_bf16<kChunk, V, 8, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len,
+                                             ScaleOne{});
+  }
   if (tid < kChunk) {
     sG[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];  // padding rows: G = G_C (as xla)
     sB[tid] = tid < len ? beta[(cs.start + tid) * HV + hv] : 0.f;
   }
   // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over the pieces it copied (its own
-  // cp.async writes are visible to it after the wait), in a fixed order
+  // cp.async writes are visible to it after the wait), in a fixed order; likewise the rstd
+  // scaling of its own q, k pieces
   cp_async_wait_all();
+  if constexpr (Sm::kRaw) {
+    if (rstd_q != nullptr || rstd_k != nullptr) __syncthreads();  // sRq, sRk from other threads
+    if (rstd_q != nullptr) scale_tile_bf16<kChunk, K, kCbThreads>(Qs, KP, len, sRq);
+    if (rstd_k != nullptr) scale_tile_bf16<kChunk, K, kCbThreads>(Ks, KP, len, sRk);
+  }
   {
     float hds = 0.f;
 #pragma unroll 2
@@ -361,11 +384,15 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   }
   __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
 
-  // ---- stage 5: A, V into freed slots; dw = -dvn h^T -> Dw (bf16, dS's slot)
-  load_tile_bf16<kChunk, kChunk, 8, kCbThreads>(
-      As, TP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk,
-      ScaleOne{});
-  load_tile_bf16<kChunk, V, 8, kCbThreads>(Vs, VP, v + v_off, int64_t{HV} * V, len, ScaleOne{});
+  // ---- stage 5: V into dO's slot (bf16: cp.async, in flight during dw); dw = -dvn h^T -> Dw
+  //               (bf16, dS's slot)
+  if constexpr (Sm::kRaw) {
+    // (issue loop unrolled at V = 128, rolled at V = 64: the choice without spills, ptxas 13.0)
+    cp_async_tile_bf16<kChunk, V, kCbThreads, V == 128>(Vs, VP, v + v_off, int64_t{HV} * V, len);
+    cp_async_commit();
+  }
+  if constexpr (!Sm::kRaw)
+    load_tile_bf16<kChunk, V, 8, kCbThreads>(Vs, VP, v + v_off, int64_t{HV} * V, len, ScaleOne{});
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
@@ -382,6 +409,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       }
     }
   }
+  if constexpr (Sm::kRaw) cp_async_wait_all();
   __syncthreads();
 
   // ---- stage 6: dA = diag-col(beta) (du V^T + diag-col(e^G) dw K^T) -> DA (bf16);

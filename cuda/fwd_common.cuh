@@ -151,16 +151,34 @@ __device__ __forceinline__ void store2(bf16* p, float a, float b) {
 
 // A Rows x D bf16 tile into shared memory as it is (pitch ld) by 16-byte cp.async pieces: row
 // t < len is src[t*row_stride + col], rows t >= len are zero. The caller commits and waits.
-template <int Rows, int D, int Threads>
+// kUnroll = false keeps the issue loop rolled (fewer live registers where that matters).
+template <int Rows, int D, int Threads, bool kUnroll = true>
 __device__ __forceinline__ void cp_async_tile_bf16(bf16* dst, int ld, const bf16* src,
                                                    int64_t row_stride, int len) {
   constexpr int kVpr = D / 8;
   static_assert(Rows * kVpr % Threads == 0, "tile does not split evenly");
-#pragma unroll
+#pragma unroll(kUnroll ? Rows * kVpr / Threads : 1)
   for (int j = 0; j < Rows * kVpr / Threads; ++j) {
     const int idx = threadIdx.x + j * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
     const bool ok = t < len;
     cp_async16(dst + t * ld + c8, ok ? src + t * row_stride + c8 : src, ok);
+  }
+}
+
+// In place, after cp.async.wait: this thread's pieces of a cp_async_tile_bf16 tile times the row
+// scale s[row] (shared memory), rounded to bf16 (the values load_tile_bf16 gives); rows >= len
+// stay zero.
+template <int Rows, int D, int Threads>
+__device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, const float* s) {
+  constexpr int kVpr = D / 8;
+#pragma unroll
+  for (int j = 0; j < Rows * kVpr / Threads; ++j) {
+    const int idx = threadIdx.x + j * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+    if (t < len) {
+      float f[8];
+      lds8(dst + t * ld + c8, f);
+      sts8_bf16(dst + t * ld + c8, f, s[t]);
+    }
   }
 }
 

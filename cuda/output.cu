@@ -1,7 +1,7 @@
 // FFI handler of the chunk output (kernel in output.cuh):
 //
 //   jax_cake_gdn_output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len; scale)
-//       -> o [T, HV, V] (bf16 or f32, the result type chooses), scores f32[NC, HV, 64, 64] or
+//       -> o [T, HV, V] (bf16 or f32, the result type chooses), scores bf16[NC, HV, 64, 64] or
 //          f32[1] (not wanted)
 //
 // q, k: bf16 or f32 [T, H, K] (same dtype); G f32[T, HV]; h bf16[NC, HV, K, V] (the state walk's
@@ -20,7 +20,7 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::Buffer<ffi::BF16> v_new, ffi::Buffer<ffi::F32> rstd_q,
                        ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                        ffi::Buffer<ffi::S32> chunk_len, float scale, ffi::Result<ffi::AnyBuffer> o,
-                       ffi::ResultBuffer<ffi::F32> scores) {
+                       ffi::ResultBuffer<ffi::BF16> scores) {
   JCG_CHECK_MSG(check_qk("q", q));
   const auto qd = q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
@@ -51,7 +51,7 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                 std::string("o must be bfloat16 or float32, got ") + dtype_name(odt));
   const bool want_scores = !is_absent(scores->dimensions());
   JCG_CHECK_ARG(!want_scores || dims_are(scores->dimensions(), {NC, HV, kChunk, kChunk}),
-                "scores must be f32[NC, HV, 64, 64] or f32[1] (not wanted), got shape " +
+                "scores must be bf16[NC, HV, 64, 64] or bf16[1] (not wanted), got shape " +
                     dims_str(scores->dimensions()));
 
   JCG_CHECK_CUDA(poison(stream, o->untyped_data(), o->size_bytes()));
@@ -75,7 +75,8 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                      chunk_start.typed_data(), chunk_len.typed_data(),
                      static_cast<Out*>(o->untyped_data()),
-                     want_scores ? scores->typed_data() : static_cast<float*>(nullptr), T,
+                     want_scores ? static_cast<bf16*>(scores->untyped_data()) : static_cast<bf16*>(nullptr),
+                     T,
                      static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V), scale);
       });
     });
@@ -101,5 +102,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_output, jax_cake_gdn::output_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
                                   .Attr<float>("scale")
                                   .Ret<xla::ffi::AnyBuffer>()              // o
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // scores
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // scores
                               {xla::ffi::Traits::kCmdBufferCompatible});

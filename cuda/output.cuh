@@ -1,7 +1,8 @@
 // The chunk output (DESIGN.md section 1), one CTA of 4 warps per (chunk, value head), value heads
 // of one chunk adjacent in the (1-D) grid so GVA heads share q / k through L2:
 //
-//   Att = tril_incl(Gam o Q K^T)                 (unscaled; written as `scores` when asked)
+//   Att = tril_incl(Gam o Q K^T)                 (unscaled; written as bf16 `scores` when asked:
+//                                                 the operand values walk_bwd uses)
 //   o   = scale (diag(e^G) Q h + Att v_new)      -> [T, HV, V] in the output dtype
 //
 // q, k (normalised by rstd when given) are rounded to bf16 in shared memory; h (the state
@@ -61,14 +62,16 @@ struct OutputSmem {
   }
 };
 
+// (min 1 CTA/SM in the bounds: without it ptxas 13.0 caps bf16 K = 128 at 128 registers and
+// spills; its 85 KB of shared memory sets 2 CTAs/SM either way)
 template <typename In, typename Out, int K>
-__global__ void __launch_bounds__(kOutThreads)
+__global__ void __launch_bounds__(kOutThreads, 1)
     output_kernel(const In* __restrict__ q, const In* __restrict__ k,
                   const float* __restrict__ G, const bf16* __restrict__ h,
                   const bf16* __restrict__ v_new, const float* __restrict__ rstd_q,  // nullable
                   const float* __restrict__ rstd_k,                                   // nullable
                   const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-                  Out* __restrict__ o, float* __restrict__ scores,  // scores nullable
+                  Out* __restrict__ o, bf16* __restrict__ scores,  // scores nullable
                   int64_t num_tokens, int H, int HV, int V, float scale) {
   using Sm = OutputSmem<K>;
   constexpr int KP = Sm::KP, KS = K / 16;
@@ -88,8 +91,9 @@ __global__ void __launch_bounds__(kOutThreads)
 
   if (len == 0) {  // unused chunk: zero scores, no token rows
     if (scores != nullptr) {
-      float* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
-      for (int e = tid; e < kChunk * kChunk; e += kOutThreads) sp[e] = 0.f;
+      bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+      for (int e = tid; e < kChunk * kChunk / 8; e += kOutThreads)
+        reinterpret_cast<uint4*>(sp)[e] = make_uint4(0u, 0u, 0u, 0u);
     }
     return;
   }
@@ -97,14 +101,12 @@ __global__ void __launch_bounds__(kOutThreads)
   const int64_t qk_off = cs.start * H * K + hk * K;
   // h (bf16 [K][V], 16-byte pieces) and v_new stream in while q, k are converted
   const bf16* hsrc = h + (static_cast<int64_t>(c) * HV + hv) * K * V;
-  for (int idx = tid; idx < K * V / 8; idx += kOutThreads) {
-    const int r = idx / (V / 8), c8 = (idx % (V / 8)) * 8;
-    cp_async16(Hs + r * VP + c8, hsrc + static_cast<int64_t>(r) * V + c8, true);
-  }
   const bf16* vsrc = v_new + (cs.start * HV + hv) * V;
   if (V == 64) {
+    cp_async_tile_bf16<K, 64, kOutThreads>(Hs, VP, hsrc, V, K);
     cp_async_tile_bf16<kChunk, 64, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
   } else {
+    cp_async_tile_bf16<K, 128, kOutThreads>(Hs, VP, hsrc, V, K);
     cp_async_tile_bf16<kChunk, 128, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
   }
   cp_async_commit();
@@ -126,7 +128,7 @@ __global__ void __launch_bounds__(kOutThreads)
   const int i0 = 16 * warp + g, i1 = i0 + 8;
   const float gi0 = sg[i0], gi1 = sg[i1];
   if (scores != nullptr) {
-    float* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+    bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
       store2(sp + i0 * kChunk + 8 * nt + 2 * qd, att[nt][0], att[nt][1]);

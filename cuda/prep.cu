@@ -1,12 +1,13 @@
 // FFI handlers of the WY prep family (kernels in prep.cuh):
 //
-//   jax_cake_gdn_prep(k, v, beta, G, rstd_k, chunk_start, chunk_len) -> A f32[NC, HV, 64, 64],
+//   jax_cake_gdn_prep(k, v, beta, G, rstd_k, chunk_start, chunk_len) -> A bf16[NC, HV, 64, 64],
 //                                                                       w bf16[T, HV, K],
 //                                                                       u f32[T, HV, V]
 //   jax_cake_gdn_wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len) -> w, u (from a given A)
 //
-// w is rounded to bf16 (nearest) when written: the value every reader (the walks) uses as its
-// mma operand, so storing it in f32 would only add bytes.
+// A and w are rounded to bf16 (nearest) when written: the values every reader (wy, chunk_bwd;
+// the walks) uses as mma operands, so storing them in f32 would only add bytes. prep computes A
+// in f32 (shared memory) and uses the same bf16 values for its own w and u.
 //
 // k, v: bf16 or f32 [T, H, K] / [T, HV, V] (same dtype); beta, G: f32[T, HV]; rstd_k: f32[T, H]
 // or f32[1] (no L2 norm); chunk_start / chunk_len: int32[NC] (chunks.py). K, V in {64, 128}.
@@ -56,14 +57,14 @@ std::string check_wu(ffi::Span<const int64_t> w, ffi::Span<const int64_t> u, int
 ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
                      ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
-                     ffi::Buffer<ffi::S32> chunk_len, ffi::ResultBuffer<ffi::F32> A,
+                     ffi::Buffer<ffi::S32> chunk_len, ffi::ResultBuffer<ffi::BF16> A,
                      ffi::ResultBuffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> u) {
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
   JCG_CHECK_MSG(check_wy_inputs(k, v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV, V,
                                 NC, has_rstd));
   JCG_CHECK_ARG(dims_are(A->dimensions(), {NC, HV, kChunk, kChunk}),
-                "A must be f32[NC, HV, 64, 64], got shape " + dims_str(A->dimensions()));
+                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A->dimensions()));
   JCG_CHECK_MSG(check_wu(w->dimensions(), u->dimensions(), T, HV, K, V));
 
   JCG_CHECK_CUDA(poison(stream, *A));
@@ -84,7 +85,8 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    PrepSmem<KD>::bytes, stream, static_cast<const In*>(k.untyped_data()),
                    static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
                    has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                   chunk_start.typed_data(), chunk_len.typed_data(), A->typed_data(),
+                   chunk_start.typed_data(), chunk_len.typed_data(),
+                   static_cast<bf16*>(A->untyped_data()),
                    static_cast<bf16*>(w->untyped_data()), u->typed_data(), T, static_cast<int>(H),
                    static_cast<int>(HV), static_cast<int>(V));
     });
@@ -97,7 +99,7 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
 #define JCG_HANDLER_NAME "jax_cake_gdn_wy"
 
 ffi::Error wy_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> A,
+                   ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::BF16> A,
                    ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                    ffi::Buffer<ffi::S32> chunk_len, ffi::ResultBuffer<ffi::BF16> w,
                    ffi::ResultBuffer<ffi::F32> u) {
@@ -106,7 +108,7 @@ ffi::Error wy_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
   JCG_CHECK_MSG(check_wy_inputs(k, v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV, V,
                                 NC, has_rstd));
   JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
-                "A must be f32[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
+                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
   JCG_CHECK_MSG(check_wu(w->dimensions(), u->dimensions(), T, HV, K, V));
 
   JCG_CHECK_CUDA(poison(stream, *w));
@@ -121,7 +123,7 @@ ffi::Error wy_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    kPrepThreads, WySmem::bytes, stream,
                    static_cast<const In*>(k.untyped_data()),
                    static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
-                   A.typed_data(),
+                   static_cast<const bf16*>(A.untyped_data()),
                    has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                    chunk_start.typed_data(), chunk_len.typed_data(),
                    static_cast<bf16*>(w->untyped_data()),
@@ -148,7 +150,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_prep, jax_cake_gdn::prep_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // A
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // u
                               {xla::ffi::Traits::kCmdBufferCompatible});
@@ -160,7 +162,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_wy, jax_cake_gdn::wy_impl,
                                   .Arg<xla::ffi::AnyBuffer>()              // v
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // A
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len

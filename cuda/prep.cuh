@@ -1,7 +1,7 @@
 // The intra-chunk WY prep (DESIGN.md section 1), one CTA of 4 warps per (chunk, value head),
 // value heads of one chunk adjacent in the (1-D) grid so GVA heads share k through L2:
 //
-//   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A f32[NC, HV, 64, 64]
+//   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A bf16[NC, HV, 64, 64]
 //          w = A diag(beta e^G) K -> bf16[T, HV, K],  u = A diag(beta) V -> f32[T, HV, V]
 //   wy:    w and u from a given A (the light backward's replay reads the saved A)
 //
@@ -103,7 +103,7 @@ __device__ __forceinline__ void wy_store(const uint32_t (&a)[4][4], const bf16* 
 template <typename In, int K>
 __global__ void __launch_bounds__(kPrepThreads)
     wy_kernel(const In* __restrict__ k, const In* __restrict__ v, const float* __restrict__ beta,
-              const float* __restrict__ G, const float* __restrict__ A,
+              const float* __restrict__ G, const bf16* __restrict__ A,
               const float* __restrict__ rstd,  // nullable
               const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
               bf16* __restrict__ w, float* __restrict__ u, int64_t num_tokens, int H, int HV,
@@ -121,11 +121,12 @@ __global__ void __launch_bounds__(kPrepThreads)
   const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
   if (cs.len == 0) return;  // no token rows to write
 
-  // A (f32) -> bf16 tile; k, v -> scaled bf16 tiles
-  load_tile_bf16<kChunk, kChunk, 4, kPrepThreads>(
-      As, AP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk,
-      ScaleOne{});
+  // A (bf16) into its tile by cp.async, in flight while k, v become scaled bf16 tiles
+  cp_async_tile_bf16<kChunk, kChunk, kPrepThreads>(
+      As, AP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
+  cp_async_commit();
   wy_load_tiles<In, K>(Ks, Vs, k, v, beta, G, rstd, cs, hv, hk, H, HV, V);
+  cp_async_wait_all();
   __syncthreads();
   uint32_t a[4][4];
 #pragma unroll
@@ -205,19 +206,26 @@ __device__ __forceinline__ int prep_scratch(int warp, int ap) {
   return warp < 3 ? 16 * (warp + 1) : 16 * ap + 32;
 }
 
-// A of one (chunk, head) to out (f32 64 x 64, row-major): the lower blocks of As (pitch ap),
-// zero above them; As == nullptr: the identity.
-__device__ __forceinline__ void prep_write_a(float* __restrict__ out, const float* As, int ap) {
+// A of one (chunk, head) to out (bf16 64 x 64, row-major, rounded to nearest: the values every
+// reader uses as operands): the lower blocks of As (f32, pitch ap), zero above them;
+// As == nullptr: the identity. 16-byte stores of 8 elements.
+__device__ __forceinline__ void prep_write_a(bf16* __restrict__ out, const float* As, int ap) {
 #pragma unroll 4
-  for (int e = threadIdx.x; e < kChunk * kChunk / 4; e += kPrepThreads) {
-    const int i = e >> 4, j = (e & 15) * 4;
-    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int e = threadIdx.x; e < kChunk * kChunk / 8; e += kPrepThreads) {
+    const int i = e >> 3, j = (e & 7) * 8;
+    float f[8] = {};
     if (As == nullptr) {
-      x = make_float4(i == j, i == j + 1, i == j + 2, i == j + 3);
+#pragma unroll
+      for (int u = 0; u < 8; ++u) f[u] = i == j + u;
     } else if ((j >> 4) <= (i >> 4)) {
-      x = *reinterpret_cast<const float4*>(As + i * ap + j);
+      lds8(As + i * ap + j, f);
     }
-    reinterpret_cast<float4*>(out)[e] = x;
+    uint4 v;
+    v.x = pack_bf16(f[0], f[1]);
+    v.y = pack_bf16(f[2], f[3]);
+    v.z = pack_bf16(f[4], f[5]);
+    v.w = pack_bf16(f[6], f[7]);
+    reinterpret_cast<uint4*>(out)[e] = v;
   }
 }
 
@@ -226,22 +234,12 @@ __device__ __forceinline__ void prep_write_a(float* __restrict__ out, const floa
 // wy_load_tiles' and load_tile_bf16's (bf16(float(x) * s), s = (beta * e^G) * rstd), so Ks equals
 // wy's Ks bit for bit.
 //
-// bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (rows t >= len zero-filled) and
-// the thread that copied a 16-byte chunk later rescales that same chunk in place (so its own
-// cp.async.wait is all it needs): k now (prep_k_finish), v after the diagonal solve
-// (prep_v_finish), which hides v's load behind K K^T and the solve and keeps no load data in
-// registers. f32 inputs: through registers (one global read of k, two shared stores).
-template <int D>
-__device__ __forceinline__ void prep_async_tile(bf16* dst, const bf16* src, int64_t row_stride,
-                                                int len) {
-  constexpr int kVpr = D / 8, kPer = kChunk * kVpr / kPrepThreads;
-  static_assert(kChunk * kVpr % kPrepThreads == 0, "tile does not split evenly");
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int idx = threadIdx.x + j * kPrepThreads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
-    cp_async16(dst + t * kWyXP + c8, src + min(t, len - 1) * row_stride + c8, t < len);
-  }
-}
+// bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (cp_async_tile_bf16: rows
+// t >= len zero-filled) and the thread that copied a 16-byte chunk later rescales that same chunk
+// in place (so its own cp.async.wait is all it needs): k now (prep_k_finish), v after the
+// diagonal solve (scale_tile_bf16 by beta), which hides v's load behind K K^T and the solve and
+// keeps no load data in registers. f32 inputs: through registers (one global read of k, two
+// shared stores).
 
 // Per-row k scales of this thread's k chunks (row t = (tid + j * threads) / (K / 8), clamped):
 // rs = rstd, ks = beta e^G rstd, evaluated as in wy_load_tiles.
@@ -279,21 +277,6 @@ __device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
   }
 }
 
-// bf16: this thread's raw v chunks in Vs (all its cp.async groups done) -> v diag(beta) in place
-// (sb: beta per row, as loaded for L).
-template <int V>
-__device__ __forceinline__ void prep_v_finish(bf16* Vs, const float* sb, int len) {
-  constexpr int kVpr = V / 8, kPer = kChunk * kVpr / kPrepThreads;
-#pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int idx = threadIdx.x + j * kPrepThreads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
-    if (t < len) {
-      float f[8];
-      lds8(Vs + t * kWyXP + c8, f);
-      sts8_bf16(Vs + t * kWyXP + c8, f, sb[t]);
-    }
-  }
-}
 
 // f32: k rows -> Kr and Ks through registers, NB chunks per thread in flight (load_tile_bf16's
 // batching); then v as in wy_load_tiles.
@@ -336,7 +319,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
                 const float* __restrict__ beta, const float* __restrict__ G,
                 const float* __restrict__ rstd,  // nullable
                 const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-                float* __restrict__ A, bf16* __restrict__ w, float* __restrict__ u,
+                bf16* __restrict__ A, bf16* __restrict__ w, float* __restrict__ u,
                 int64_t num_tokens, int H, int HV, int V) {
   using Sm = PrepSmem<K>;
   constexpr int KP = Sm::KP, AP = Sm::AP;
@@ -353,7 +336,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
   const int len = cs.len;
-  float* Aout = A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+  bf16* Aout = A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
   if (len == 0) {  // unused chunk: A = I, no token rows
     prep_write_a(Aout, nullptr, AP);
     return;
@@ -366,12 +349,12 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   const float* gt = G + cs.start * HV + hv;
   const ScaleRstd rs{rstd, cs.start, H, hk};
   if constexpr (kAsync) {
-    prep_async_tile<K>(Ks, ksrc, int64_t{H} * K, len);
+    cp_async_tile_bf16<kChunk, K, kPrepThreads>(Ks, kWyXP, ksrc, int64_t{H} * K, len);
     cp_async_commit();
     if (V == 64) {
-      prep_async_tile<64>(Vs, vsrc, int64_t{HV} * V, len);
+      cp_async_tile_bf16<kChunk, 64, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
     } else {
-      prep_async_tile<128>(Vs, vsrc, int64_t{HV} * V, len);
+      cp_async_tile_bf16<kChunk, 128, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
     }
     cp_async_commit();
   }
@@ -470,9 +453,9 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   if constexpr (kAsync) {  // v diag(beta), this thread's chunks (read by wy_store after barriers)
     cp_async_wait_all();
     if (V == 64) {
-      prep_v_finish<64>(Vs, sb, len);
+      scale_tile_bf16<kChunk, 64, kPrepThreads>(Vs, kWyXP, len, sb);
     } else {
-      prep_v_finish<128>(Vs, sb, len);
+      scale_tile_bf16<kChunk, 128, kPrepThreads>(Vs, kWyXP, len, sb);
     }
   }
   __syncthreads();
@@ -495,7 +478,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
     __syncthreads();
   }
 
-  // A out (f32), and as bf16 A fragments (the values wy reads back) for w and u.
+  // A out (bf16), and as bf16 A fragments (the values wy reads back) for w and u.
   uint32_t a[4][4];
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {

@@ -43,7 +43,7 @@
 // Att 9 KB), 1 CTA = 8 warps per SM. f32 inputs, K = V = 128: 209 KB. K = 64, V = 128: 200-205
 // registers, 121-137 KB, 1 CTA (8 warps). V = 64 (4 warps, 128 threads): K = 128 153 / 185 KB
 // (bf16 / f32), 1 CTA; K = 64 97 / 113 KB. No spills.
-// The state walk itself (4 warps, VT = 64, bf16 h and v_new stores): K = 128 216 registers,
+// The state walk itself (4 warps, VT = 64, bf16 h and v_new stores): K = 128 200-211 registers,
 // 94 / 110 KB (bf16 / f32 k): 2 CTAs per SM; K = 64 164-168 registers, 62 / 70 KB: 3 CTAs per
 // SM. No spills.
 #pragma once
@@ -183,14 +183,9 @@ __global__ void __launch_bounds__(walk_threads<VT>())
   // Stream chunk c's w, k, u tile, G and rstd into the staging buffers (zero beyond its length).
   auto prefetch = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    constexpr int kWv = K / 8;  // 16-byte pieces per w row
-#pragma unroll 4
-    for (int idx = tid; idx < kChunk * kWv; idx += kThreads) {
-      const int t = idx / kWv, c8 = (idx % kWv) * 8;
-      const bool ok = t < cs.len;
-      const bf16* src = ok ? w + ((cs.start + t) * HV + hv) * K + c8 : w;
-      cp_async16(stW + t * K + c8, src, ok);
-    }
+    // (issue loop rolled: unrolled, it costs the 4-warp walk 30 registers)
+    cp_async_tile_bf16<kChunk, K, kThreads, false>(stW, K, w + (cs.start * HV + hv) * K,
+                                                   int64_t{HV} * K, cs.len);
     constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
     constexpr int kKv = K / kEl;
 #pragma unroll 4

@@ -6,7 +6,7 @@
 //          uses it only as a bf16 operand), dh0 f32[S, HV, K, V]
 //
 // q, k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
-// dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64] (the saved Att) or f32[1] (recompute);
+// dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64] (the saved Att) or bf16[1] (recompute);
 // rstd_q, rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K in {64, 128}, V in
 // {64, 128}.
 #include "fwd_args.cuh"
@@ -25,7 +25,7 @@ static_assert(walk_bwd_vt<bf16, 128, 128>() == 128 && walk_bwd_vt<bf16, 64, 128>
 
 ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
-                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::F32> scores,
+                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::BF16> scores,
                          ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
@@ -62,7 +62,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   const auto scd = scores.dimensions();
   const bool has_scores = !is_absent(scd);
   JCG_CHECK_ARG(!has_scores || dims_are(scd, {NC, HV, kChunk, kChunk}),
-                "scores must be f32[NC, HV, 64, 64] or f32[1] (recompute), got shape " +
+                "scores must be bf16[NC, HV, 64, 64] or bf16[1] (recompute), got shape " +
                     dims_str(scd));
   JCG_CHECK_ARG(dims_are(dS_end->dimensions(), {NC, HV, K, V}),
                 "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end->dimensions()));
@@ -86,7 +86,8 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                      static_cast<const In*>(k.untyped_data()),
                      static_cast<const bf16*>(w.untyped_data()), G.typed_data(),
                      static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
-                     has_scores ? scores.typed_data() : static_cast<const float*>(nullptr),
+                     has_scores ? static_cast<const bf16*>(scores.untyped_data())
+                                : static_cast<const bf16*>(nullptr),
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                      chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
@@ -113,7 +114,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_bwd, jax_cake_gdn::walk_bwd_impl
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::AnyBuffer>()              // do
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dfinal
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // scores
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // scores
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start

@@ -23,7 +23,7 @@
 //   Att (recompute mode): warp w computes rows 16 (w % 4).., columns 32 (w / 4).. (8 warps;
 //       4 warps: all 64 columns) of Q K^T via chunk_scores_part (output.cuh: gated with
 //       exp(G_i - G_j), i >= j only, never e^{-G}) and writes bf16 Att to a shared tile (scores
-//       mode: the saved f32 scores are converted instead);
+//       mode: the saved bf16 scores are copied instead);
 //   dv_local[64 x 16] = Att^T dOs                       (A: Att^T by ldmatrix.trans)
 //   dvn[64 x 16]      = dv_local + diag(e^{G_C - G}) (Ks dS)   (A: K from smem, B: registers)
 //   dS^T[16 x K]      = e^{G_C} dS^T + dOg^T Qs - dvn^T Ws     (dOg = scale e^G dO, dOs = scale dO)
@@ -88,7 +88,7 @@ struct WalkBwdSmem {
   static constexpr size_t kBig = size_t{kChunk} * KP * sizeof(bf16);
   static constexpr size_t kAtt = size_t{kChunk} * AP * sizeof(bf16);
   static constexpr size_t kOT = size_t{kChunk} * OP * sizeof(bf16);
-  static constexpr size_t kStA = size_t{kChunk} * kChunk * sizeof(float);  // scores staging
+  static constexpr size_t kStA = size_t{kChunk} * kChunk * sizeof(bf16);  // scores staging
   static constexpr size_t oStQ = kStW;
   static constexpr size_t oStK = oStQ + kStQK;
   static constexpr size_t oStO = oStK + kStQK;
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
     walk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k,
                     const bf16* __restrict__ w, const float* __restrict__ G,
                     const In* __restrict__ dout, const float* __restrict__ dfinal,
-                    const float* __restrict__ scores,  // nullable: recompute Att
+                    const bf16* __restrict__ scores,  // nullable: recompute Att
                     const float* __restrict__ rstd_q,  // nullable
                     const float* __restrict__ rstd_k,  // nullable
                     const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
   bf16* Dvn = reinterpret_cast<bf16*>(smem + Sm::oDvn);
   bf16* Att = reinterpret_cast<bf16*>(smem + Sm::oAtt);
   float* sG = reinterpret_cast<float*>(smem + Sm::oSG);
-  float* stA = reinterpret_cast<float*>(smem + Sm::oStA);  // only when scores != nullptr
+  bf16* stA = reinterpret_cast<bf16*>(smem + Sm::oStA);  // only when scores != nullptr
 
   // 1-D grid as the forward walk: V tiles of one (segment, head) adjacent (1 tile when VT = V),
   // then heads, then segments.
@@ -205,14 +205,8 @@ __global__ void __launch_bounds__(wb_threads<VT>())
   // beyond its length).
   auto prefetch = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    constexpr int kWv = K / 8;  // 16-byte pieces per w row (bf16)
-#pragma unroll 4
-    for (int idx = tid; idx < kChunk * kWv; idx += kThreads) {
-      const int t = idx / kWv, c8 = (idx % kWv) * 8;
-      const bool ok = t < cs.len;
-      const bf16* src = ok ? w + ((cs.start + t) * HV + hv) * K + c8 : w;
-      cp_async16(stW + t * K + c8, src, ok);
-    }
+    cp_async_tile_bf16<kChunk, K, kThreads, false>(stW, K, w + (cs.start * HV + hv) * K,
+                                                   int64_t{HV} * K, cs.len);
     constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
     constexpr int kKv = K / kEl;
 #pragma unroll 4
@@ -232,10 +226,10 @@ __global__ void __launch_bounds__(wb_threads<VT>())
       cp_async16(stO + t * VT + ce, src, ok);
     }
     if (scores != nullptr) {
-      const float* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+      const bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
 #pragma unroll 4
-      for (int idx = tid; idx < kChunk * kChunk / 4; idx += kThreads)
-        cp_async16(stA + 4 * idx, sp + 4 * idx, true);
+      for (int idx = tid; idx < kChunk * kChunk / 8; idx += kThreads)
+        cp_async16(stA + 8 * idx, sp + 8 * idx, true);
     }
     if (tid < kChunk) {
       const bool ok = tid < cs.len;
@@ -285,9 +279,8 @@ __global__ void __launch_bounds__(wb_threads<VT>())
 #pragma unroll 2
         for (int idx = tid; idx < kChunk * 8; idx += kThreads) {
           const int t = idx / 8, c8 = (idx % 8) * 8;
-          float f[8];
-          lds8(stA + t * kChunk + c8, f);
-          sts8_bf16(Att + t * AP + c8, f, 1.f);
+          *reinterpret_cast<uint4*>(Att + t * AP + c8) =
+              *reinterpret_cast<const uint4*>(stA + t * kChunk + c8);
         }
       }
       if (tid < kChunk) sG[tid] = tid < len ? stG[tid] : GC;  // padding rows: G = GC (as xla)

@@ -134,8 +134,8 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
       output_final_state: also return the exit state per document, float32 [N or B, HV, K, V].
       save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays w, u
         and the state walk in the backward; "full" also keeps w, u, the h tape, v_new and the
-        intra-chunk scores (w, the h tape and v_new in bfloat16 on the cuda backend, float32 on
-        xla; see `saved_layout`). Both give bitwise-equal gradients. On the cuda backend the
+        intra-chunk scores (all but u in bfloat16 on the cuda backend, float32 on xla; see
+        `saved_layout`). Both give bitwise-equal gradients. On the cuda backend the
         light forward runs the walk and the output as one kernel (walk_output; the h tape never
         reaches HBM) and is the faster forward; full skips the replay and is the faster fwd+bwd
         (B23 on an H200: fwd 3.37 vs 4.33 ms, fwd+bwd 12.97 vs 11.54 ms).

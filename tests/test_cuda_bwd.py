@@ -98,7 +98,8 @@ def walk_pairs(inp, qk_l2norm):
         wb = w.astype(bf)
         out = {"xla": X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale),
                "cuda": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, *tab, scale=scale),
-               "cuda_sc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc, rq, rk, *tab, scale=scale),
+               "cuda_sc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc.astype(bf), rq, rk, *tab,
+                                        scale=scale),
                "cuda_scc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc_cuda, rq, rk, *tab,
                                          scale=scale)}
         return out, ct.length
@@ -128,8 +129,9 @@ def chunk_bwd_pairs(inp, qk_l2norm):
                                    scale=scale),
                 "xla_r": X.chunk_bwd(q, k, v, beta, G, A, w, u, hb.astype(f32), vn, None,
                                      dSb.astype(f32), do, rq, rk, ct, scale=scale),
-                "cuda": cuda.chunk_bwd(q, k, v, beta, G, A, hb, vn.astype(jnp.bfloat16), dSb, do,
-                                       rq, rk, ct.start, ct.length, scale=scale)}
+                "cuda": cuda.chunk_bwd(q, k, v, beta, G, A.astype(jnp.bfloat16), hb,
+                                       vn.astype(jnp.bfloat16), dSb, do, rq, rk, ct.start,
+                                       ct.length, scale=scale)}
 
     return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
                inp["dfinal"], inp["cu"])
@@ -149,7 +151,7 @@ def _abstract_walk(T=300, H=2, HV=6, K=128, V=128, S=5, NC=9, dtype=jnp.bfloat16
     f32, i32 = jnp.float32, jnp.int32
     return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), w=sds((T, HV, K), jnp.bfloat16),
                 G=sds((T, HV), f32), do=sds((T, HV, V), dtype), dfinal=sds((S, HV, K, V), f32),
-                scores=sds((NC, HV, 64, 64), f32), rq=sds((T, H), f32), rk=sds((T, H), f32),
+                scores=sds((NC, HV, 64, 64), jnp.bfloat16), rq=sds((T, H), f32), rk=sds((T, H), f32),
                 cs=sds((NC,), i32), cl=sds((NC,), i32), sf=sds((S,), i32), sl=sds((S,), i32),
                 sn=sds((S,), i32))
 
@@ -170,8 +172,9 @@ def test_lower_walk_bwd_for_cuda(with_scores, l2):
     assert len(calls) == 1, hlo
     call = calls[0]
     assert "-> (tensor<9x6x128x128xbf16>, tensor<5x6x128x128xf32>)" in call  # dS_end, dh0
-    assert ("tensor<9x6x64x64xf32>" in call) == with_scores
-    assert ("tensor<1xf32>" in call) == (not with_scores or not l2)  # absent: f32[1]
+    assert ("tensor<9x6x64x64xbf16>" in call) == with_scores
+    assert ("tensor<1xbf16>" in call) == (not with_scores)  # absent scores: bf16[1]
+    assert ("tensor<1xf32>" in call) == (not l2)  # absent rstd: f32[1]
     assert "stablehlo.while" not in hlo
 
 
@@ -179,7 +182,7 @@ def _abstract_chunk(T=300, H=2, HV=6, K=128, V=128, NC=9, dtype=jnp.bfloat16):
     sds = jax.ShapeDtypeStruct
     f32, i32 = jnp.float32, jnp.int32
     return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), v=sds((T, HV, V), dtype),
-                beta=sds((T, HV), f32), G=sds((T, HV), f32), A=sds((NC, HV, 64, 64), f32),
+                beta=sds((T, HV), f32), G=sds((T, HV), f32), A=sds((NC, HV, 64, 64), jnp.bfloat16),
                 h=sds((NC, HV, K, V), jnp.bfloat16), v_new=sds((T, HV, V), jnp.bfloat16),
                 dS_end=sds((NC, HV, K, V), jnp.bfloat16), do=sds((T, HV, V), dtype),
                 rq=sds((T, H), f32),
@@ -201,8 +204,8 @@ def test_lower_chunk_bwd_for_cuda(dims, l2):
     calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_chunk_bwd" in ln]
     assert len(calls) == 1, hlo
     call = calls[0]
-    # operands A (f32), h (bf16), v_new (bf16), dS_end (bf16)
-    assert (f"tensor<9x6x64x64xf32>, tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>, "
+    # operands A (bf16), h (bf16), v_new (bf16), dS_end (bf16)
+    assert (f"tensor<9x6x64x64xbf16>, tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>, "
             f"tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>") in call, call
     # per-value-head dQ, dK (f32), dV in v's dtype, dg, dbeta
     assert (f"tensor<300x6x{K}xf32>, tensor<300x6x{K}xf32>, tensor<300x6x{V}xbf16>, "
@@ -250,10 +253,10 @@ def test_cuda_gradient_uses_the_backward_kernels(save_mode):
 
 
 @pytest.mark.parametrize("save_mode", ["light", "full"])
-def test_saved_layout_on_cuda_keeps_w_h_v_new_in_bf16(save_mode):
+def test_saved_layout_on_cuda_keeps_bf16_intermediates(save_mode):
     """saved_layout(backend="cuda") equals the residuals JAX keeps for gdn(backend="cuda") (traced
-    abstractly, no GPU needed); full mode keeps w, the h tape and v_new in bf16 there (f32 on
-    xla), so saved_bytes drops by half of each."""
+    abstractly, no GPU needed); A (both modes) and, in full mode, w, the h tape, v_new and the
+    scores are kept in bf16 there (f32 on xla), so saved_bytes drops by half of each."""
     need_ext()
     q, k, v, g, beta, h0, _ = _abstract_gdn()
     cu = jnp.asarray([0, 1, 64, 64, 200, 300], jnp.int32)  # 5 documents, T = 300
@@ -269,17 +272,17 @@ def test_saved_layout_on_cuda_keeps_w_h_v_new_in_bf16(save_mode):
             == sorted((tuple(x.shape), str(x.dtype)) for x in kept))
     xla_layout = J.saved_layout(q, k, v, g, beta, initial_state=h0, backend="xla", **kw)
     nb = lambda be: J.saved_bytes(q, k, v, g, beta, initial_state=h0, backend=be, **kw)
-    halved = ("h", "w", "v_new")  # bf16 on cuda, f32 on xla
-    if save_mode == "full":
-        saved = 0
-        for name in halved:
-            shape, dt, nbytes = layout[name]
-            assert dt == jnp.bfloat16, name
-            assert xla_layout[name] == (shape, np.dtype(np.float32), 2 * nbytes), name
-            saved += nbytes
-        assert nb("cuda") == nb("xla") - saved
-    else:
-        assert not set(halved) & set(layout) and nb("cuda") == nb("xla")
+    full = ("h", "w", "v_new", "scores")
+    halved = ("A",) + (full if save_mode == "full" else ())  # bf16 on cuda, f32 on xla
+    saved = 0
+    for name in halved:
+        shape, dt, nbytes = layout[name]
+        assert dt == jnp.bfloat16, name
+        assert xla_layout[name] == (shape, np.dtype(np.float32), 2 * nbytes), name
+        saved += nbytes
+    assert nb("cuda") == nb("xla") - saved
+    if save_mode == "light":
+        assert not set(full) & set(layout)
     # everything else is kept in the same dtypes on both backends
     assert {n: x for n, x in layout.items() if n not in halved} == {
         n: x for n, x in xla_layout.items() if n not in halved}
@@ -314,7 +317,9 @@ def test_bad_inputs_raise_value_error():
         (dict(w=w.astype(jnp.float32)), "w must be bfloat16 (as the cuda prep / wy return it)"),
         (dict(G=G[:, :2]), "G must have shape"),
         (dict(dfinal=df[:2]), "dfinal must have shape"),
-        (dict(scores=jnp.zeros((NC, HV, 64, 32), jnp.float32)), "scores must have shape"),
+        (dict(scores=jnp.zeros((NC, HV, 64, 32), jnp.bfloat16)), "scores must have shape"),
+        (dict(scores=jnp.zeros((NC, HV, 64, 64), jnp.float32)),
+         "scores must be bfloat16 (as the cuda output returns it)"),
         (dict(rstd_q=jnp.zeros((T, H + 1), jnp.float32)), "rstd_q"),
         (dict(rstd_k=jnp.zeros((T, H), jnp.bfloat16)), "rstd_k must be float32"),
         (dict(chunk_len=cs[:2]), "chunk_len"),
@@ -336,7 +341,7 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
     cs = jnp.zeros((NC,), jnp.int32)
 
     def call(**kw):
-        a = dict(q=q, k=q, v=v, beta=th, G=th, A=jnp.zeros((NC, HV, 64, 64), f32), h=st,
+        a = dict(q=q, k=q, v=v, beta=th, G=th, A=jnp.zeros((NC, HV, 64, 64), jnp.bfloat16), h=st,
                  v_new=v, dS_end=st, do=v, rstd_q=None, rstd_k=None,
                  chunk_start=cs, chunk_len=cs)
         a.update(kw)
@@ -351,7 +356,8 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
         (dict(v=v[:, :5]), "multiple of H"),
         (dict(do=v[:50]), "do must have v's shape"),
         (dict(beta=th[:, :2]), "beta must have shape"),
-        (dict(A=jnp.zeros((NC, HV, 64, 32), f32)), "A must have shape"),
+        (dict(A=jnp.zeros((NC, HV, 64, 32), jnp.bfloat16)), "A must have shape"),
+        (dict(A=jnp.zeros((NC, HV, 64, 64), f32)), "A must be bfloat16 (as the cuda prep returns it)"),
         (dict(h=st[:2]), "h must have shape"),
         (dict(dS_end=st.astype(f32)), "dS_end must be bfloat16"),
         (dict(h=st.astype(f32)), "h must be bfloat16"),

@@ -10,12 +10,12 @@ which keeps neither h nor v_new). Backward: wy (w, u from the saved A, the light
 walk_bwd (reverse state walk), chunk_bwd (all input gradients).
 Signatures: see primitives/xla.py.
 
-The cuda set keeps w, v_new and the state tapes in bfloat16: its prep / wy return w, its
-state_walk returns h and v_new and its walk_bwd returns dS_end as bf16 (rounded to nearest from
-f32, the values the kernels that read them used as operands anyway), and those kernels accept
-only bf16 there; the xla set keeps them float32. Primitives of the two sets do not mix at these
-arrays (cast explicitly where a test does: `h.astype(jnp.bfloat16)`); A, u, exit states, dh0 and
-every other intermediate are float32 in both.
+The cuda set keeps A, w, v_new, the scores and the state tapes in bfloat16: its prep returns A
+and w (wy: w), its state_walk returns h and v_new, its output the scores and its walk_bwd
+returns dS_end as bf16 (rounded to nearest from f32, the values the kernels that read them used
+as operands anyway), and those kernels accept only bf16 there; the xla set keeps them float32.
+Primitives of the two sets do not mix at these arrays (cast explicitly where a test does:
+`h.astype(jnp.bfloat16)`); u, exit states, dh0 and every other intermediate are float32 in both.
 
 The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
 ones (and needs neither w nor u): both save modes must give bitwise-equal gradients, and the

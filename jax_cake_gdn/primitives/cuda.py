@@ -207,10 +207,10 @@ def gate_cumsum(g, chunk_start, chunk_len):
 
 # ------------------------------------------------------------------------------------------------
 # Forward kernels (cuda/prep.cu, state_walk.cu, output.cu, l2norm.cu). Interfaces follow
-# primitives/xla.py with the chunk table passed as arrays; A and u are float32 exactly as there,
-# but w, v_new and the state tape h are bfloat16 (the f32 values rounded to nearest: every kernel
-# that reads them uses them only as bf16 operands), as is the backward's dS_end. The cuda
-# primitives therefore do not mix with the xla ones at w / h / v_new / dS_end without a cast
+# primitives/xla.py with the chunk table passed as arrays; u is float32 exactly as there, but A,
+# w, v_new, the scores and the state tape h are bfloat16 (the f32 values rounded to nearest:
+# every kernel that reads them uses them only as bf16 operands), as is the backward's dS_end. The
+# cuda primitives therefore do not mix with the xla ones at these arrays without a cast
 # (primitives/__init__.py: one backend per call). q/k/v may be bfloat16 or float32 (same
 # dtype); matrix products run on bf16 tensor cores with float32 accumulation.
 # ------------------------------------------------------------------------------------------------
@@ -218,9 +218,11 @@ def gate_cumsum(g, chunk_start, chunk_len):
 SUPPORTED_DIMS = (64, 128)  # head dims K and V the forward kernels are instantiated for
 _CHUNK = 64
 _QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
-# An absent optional operand or result (no L2 norm, no saved scores): f32[1]. Not f32[0]: a
-# zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under shard_map (jax 0.11.2).
+# An absent optional operand or result (no L2 norm; no saved scores, there as bf16[1]): f32[1].
+# Not f32[0]: a zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under
+# shard_map (jax 0.11.2).
 _ABSENT = np.zeros((1,), np.float32)
+_A_FROM = "as the cuda prep returns it"
 _W_FROM = "as the cuda prep / wy return it"
 _VNEW_FROM = "as the cuda state_walk returns it"
 
@@ -281,7 +283,7 @@ def _f32(fn: str, name: str, x, shape):
 
 
 def _bf16(fn: str, name: str, x, shape, what: str):
-    """A bfloat16 intermediate (w, v_new, h, dS_end) of the given shape; `what` says where it
+    """A bfloat16 intermediate (A, w, v_new, h, dS_end) of the given shape; `what` says where it
     comes from."""
     x = jnp.asarray(x)
     _check(x.dtype == jnp.bfloat16,
@@ -367,28 +369,30 @@ def _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
 
 
 def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
-    """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1 f32[NC, HV, 64, 64], then
-    w = A diag(beta e^G) K bf16[T, HV, K] (rounded to nearest: the walks use it only as a bf16
-    operand) and u = A diag(beta) V f32[T, HV, V], in one kernel. w and u are bitwise what `wy`
-    gives on this A (the light backward's replay)."""
+    """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1 bf16[NC, HV, 64, 64] (computed in f32,
+    rounded to nearest: wy and chunk_bwd use it only as a bf16 operand), then
+    w = A diag(beta e^G) K bf16[T, HV, K] (likewise rounded: the walks' operand) and
+    u = A diag(beta) V f32[T, HV, V], in one kernel. w and u are bitwise what `wy` gives on this
+    A (the light backward's replay)."""
     fn = "prep"
     k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
     T, _, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
-    A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.float32), ((T, HV, K), jnp.bfloat16),
+    A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((T, HV, K), jnp.bfloat16),
                          ((T, HV, V), jnp.float32)], k, v, beta, G, r, cs, cl)
     return A, w, u
 
 
 def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
-    """w = A diag(beta e^G) K bf16[T, HV, K] and u = A diag(beta) V f32[T, HV, V] (as `prep`)."""
+    """w = A diag(beta e^G) K bf16[T, HV, K] and u = A diag(beta) V f32[T, HV, V] (as `prep`),
+    from A bf16[NC, HV, 64, 64] as `prep` returns it."""
     fn = "wy"
     k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
     T, _, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
-    A = _f32(fn, "A", A, (NC, HV, _CHUNK, _CHUNK))
+    A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
     w, u = _call(fn, [((T, HV, K), jnp.bfloat16), ((T, HV, V), jnp.float32)],
                  k, v, beta, G, A, r, cs, cl)
     return w, u
@@ -435,8 +439,8 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
 
 def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
            out_dtype, with_scores: bool = False):
-    """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att [NC, HV, 64, 64] f32 if asked
-    (else None). h bfloat16 [NC, HV, K, V] and v_new bfloat16 [T, HV, V], as `state_walk`
+    """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att bf16[NC, HV, 64, 64] if asked
+    (else None; rounded to nearest: walk_bwd uses it only as a bf16 operand). h bfloat16 [NC, HV, K, V] and v_new bfloat16 [T, HV, V], as `state_walk`
     returns them (f32 ones, e.g. xla's, must be cast first: `.astype(jnp.bfloat16)` is the
     rounding the kernel used to apply)."""
     fn = "output"
@@ -455,7 +459,7 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
     s_shape = (NC, HV, _CHUNK, _CHUNK) if with_scores else _ABSENT.shape
-    o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.float32)],
+    o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.bfloat16)],
                       q, k, G, h, v_new, rq, rk, cs, cl, scale=np.float32(scale))
     return o, (scores if with_scores else None)
 
@@ -493,8 +497,8 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     """Reverse walk for the state gradients (xla.walk_bwd with the chunk table as arrays).
 
     q, k: bf16/f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
-    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores f32[NC, HV, 64, 64]
-    (the saved Att) or None (recomputed in the kernel); rstd_q, rstd_k f32[T, H] or None.
+    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64]
+    (the saved Att, as the cuda `output` returns it) or None (recomputed in the kernel); rstd_q, rstd_k f32[T, H] or None.
     Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
     from the walk's f32 gradient: `chunk_bwd` uses it only as a bf16 operand; 0 for unused chunks;
     xla.walk_bwd returns it in float32) and dh0 f32[S, HV, K, V] (gradient of each segment's entry
@@ -517,9 +521,9 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     S = sl.shape[0]
     dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
     if scores is None:
-        sc = jnp.asarray(_ABSENT)
+        sc = jnp.asarray(_ABSENT, jnp.bfloat16)
     else:
-        sc = _f32(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK))
+        sc = _bf16(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK), "as the cuda output returns it")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     dS_end, dh0 = _call(fn, [((NC, HV, K, V), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
@@ -534,7 +538,8 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     the chunk table as arrays; w, u and the saved scores are not needed: Att is recomputed).
 
     q, k: bf16/f32 [T, H, K]; v [T, HV, V] in q's dtype; do [T, HV, V] (cast to q's dtype: the
-    kernel rounds it to bf16 anyway); beta, G f32[T, HV]; A f32[NC, HV, 64, 64]; h, dS_end
+    kernel rounds it to bf16 anyway); beta, G f32[T, HV]; A bf16[NC, HV, 64, 64] (as the cuda
+    `prep` returns it); h, dS_end
     bf16[NC, HV, K, V] (as the cuda `state_walk` and `walk_bwd` return them; f32 ones from the xla
     primitives must be cast first, which rounds them as this kernel did before it took bf16);
     v_new bf16[T, HV, V] (as the cuda `state_walk` returns it); rstd_q, rstd_k f32[T, H] or
@@ -560,7 +565,7 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
-    A = _f32(fn, "A", A, (NC, HV, _CHUNK, _CHUNK))
+    A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
     h = _bf16(fn, "h", h, (NC, HV, K, V), "the cuda state walk's tape")
     v_new = _bf16(fn, "v_new", v_new, (T, HV, V), _VNEW_FROM)
     dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
