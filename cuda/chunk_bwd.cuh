@@ -211,17 +211,17 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   // ---- stage 0: operands into shared memory (bf16), G, beta, and sum(dS o h) in f32
   // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
-  // into their operand tiles (cp_async_tile_bf16: thread tid copies pieces tid + j * 256,
-  // j < kPer, of h and dS_end; the sum below walks the same pieces).
-  constexpr int kV8 = V / 8, kPer = K * kV8 / kCbThreads;
+  // into their operand tiles (cp_async_tile: the TilePieces mapping; the sum below walks this
+  // thread's pieces of h and dS_end).
+  using PH = TilePieces<K, V, kCbThreads>;
   {
-    cp_async_tile_bf16<K, V, kCbThreads>(Hs, VP, h + s_off, V, K);
-    cp_async_tile_bf16<K, V, kCbThreads>(DSs, VP, dS_end + s_off, V, K);
-    cp_async_tile_bf16<kChunk, V, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len);
+    cp_async_tile<K, V, kCbThreads>(Hs, VP, h + s_off, V, K);
+    cp_async_tile<K, V, kCbThreads>(DSs, VP, dS_end + s_off, V, K);
+    cp_async_tile<kChunk, V, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len);
     if constexpr (Sm::kRaw) {  // bf16 q, k, dO as they are (q, k scaled in place below)
-      cp_async_tile_bf16<kChunk, K, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len);
-      cp_async_tile_bf16<kChunk, K, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len);
-      cp_async_tile_bf16<kChunk, V, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len);
+      cp_async_tile<kChunk, K, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len);
+      cp_async_tile<kChunk, K, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len);
+      cp_async_tile<kChunk, V, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len);
     }
     if (Sm::kRaw && tid < 2 * kChunk) {  // rstd of the chunk's rows, for the in-place scaling
       const float* r = tid < kChunk ? rstd_q : rstd_k;
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cp_async4((tid < kChunk ? sRq : sRk) + t, ok ? r + (cs.start + t) * H + hk : G, ok);
     }
     // A as stored (bf16), for stage 6 on
-    cp_async_tile_bf16<kChunk, kChunk, kCbThreads>(
+    cp_async_tile<kChunk, kChunk, kCbThreads>(
         As, TP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
     cp_async_commit();
   }
@@ -258,8 +258,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   {
     float hds = 0.f;
 #pragma unroll 2
-    for (int j = 0; j < kPer; ++j) {
-      const int idx = tid + j * kCbThreads, r = idx / kV8, c8 = (idx % kV8) * 8;
+    for (int j = 0; j < PH::kPer; ++j) {
+      const int r = PH::row0() + j * PH::kRowStep, c8 = PH::col();
       float fh[8], fs[8];
       lds8(Hs + r * VP + c8, fh);
       lds8(DSs + r * VP + c8, fs);
@@ -388,7 +388,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   //               (bf16, dS's slot)
   if constexpr (Sm::kRaw) {
     // (issue loop unrolled at V = 128, rolled at V = 64: the choice without spills, ptxas 13.0)
-    cp_async_tile_bf16<kChunk, V, kCbThreads, V == 128>(Vs, VP, v + v_off, int64_t{HV} * V, len);
+    cp_async_tile<kChunk, V, kCbThreads, V == 128>(Vs, VP, v + v_off, int64_t{HV} * V, len);
     cp_async_commit();
   }
   if constexpr (!Sm::kRaw)

@@ -149,35 +149,55 @@ __device__ __forceinline__ void store2(bf16* p, float a, float b) {
 
 // ---------------------------------------------------------------- tile loads
 
-// A Rows x D bf16 tile into shared memory as it is (pitch ld) by 16-byte cp.async pieces: row
-// t < len is src[t*row_stride + col], rows t >= len are zero. The caller commits and waits.
-// kUnroll = false keeps the issue loop rolled (fewer live registers where that matters).
-template <int Rows, int D, int Threads, bool kUnroll = true>
-__device__ __forceinline__ void cp_async_tile_bf16(bf16* dst, int ld, const bf16* src,
-                                                   int64_t row_stride, int len) {
-  constexpr int kVpr = D / 8;
-  static_assert(Rows * kVpr % Threads == 0, "tile does not split evenly");
-#pragma unroll(kUnroll ? Rows * kVpr / Threads : 1)
-  for (int j = 0; j < Rows * kVpr / Threads; ++j) {
-    const int idx = threadIdx.x + j * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+// How a CTA of Threads splits a Rows x D tile into pieces of 8 elements (kVpr per row): piece
+// idx = tid + j * Threads is row idx / kVpr, columns 8 (idx % kVpr).., so thread tid has the fixed
+// column col() and rows row0() + j * kRowStep, j < kPer. Every tile helper below (and the loops
+// that read such a tile back by thread) uses this mapping; the row step and the fixed column keep
+// the per-piece address arithmetic to a few adds.
+template <int Rows, int D, int Threads>
+struct TilePieces {
+  static constexpr int kVpr = D / 8, kRowStep = Threads / kVpr, kPer = Rows / kRowStep;
+  static_assert(D % 8 == 0 && Threads % kVpr == 0 && Rows % kRowStep == 0,
+                "tile does not split evenly");
+  __device__ __forceinline__ static int row0() { return static_cast<int>(threadIdx.x) / kVpr; }
+  __device__ __forceinline__ static int col() { return static_cast<int>(threadIdx.x) % kVpr * 8; }
+};
+
+// A Rows x D tile of bf16 (or f32) into shared memory as it is (pitch ld) by 16-byte cp.async
+// pieces (8 bf16, or 2 pieces of 4 f32 per 8-element piece of TilePieces): row t < len is
+// src[t*row_stride + col], rows t >= len are zero. The caller commits and waits. kUnroll = false
+// keeps the issue loop rolled (fewer live registers where that matters).
+template <int Rows, int D, int Threads, bool kUnroll = true, typename T>
+__device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int64_t row_stride,
+                                              int len) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "bf16 or f32");
+  using P = TilePieces<Rows, D, Threads>;
+  const int t0 = P::row0(), c = P::col();
+#pragma unroll(kUnroll ? P::kPer : 1)
+  for (int j = 0; j < P::kPer; ++j) {
+    const int t = t0 + j * P::kRowStep;
     const bool ok = t < len;
-    cp_async16(dst + t * ld + c8, ok ? src + t * row_stride + c8 : src, ok);
+    const T* s = src + t * row_stride + c;
+    T* d = dst + t * ld + c;
+    cp_async16(d, ok ? s : src, ok);
+    if constexpr (sizeof(T) == 4) cp_async16(d + 4, ok ? s + 4 : src, ok);
   }
 }
 
-// In place, after cp.async.wait: this thread's pieces of a cp_async_tile_bf16 tile times the row
+// In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile times the row
 // scale s[row] (shared memory), rounded to bf16 (the values load_tile_bf16 gives); rows >= len
 // stay zero.
 template <int Rows, int D, int Threads>
 __device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, const float* s) {
-  constexpr int kVpr = D / 8;
+  using P = TilePieces<Rows, D, Threads>;
+  const int t0 = P::row0(), c = P::col();
 #pragma unroll
-  for (int j = 0; j < Rows * kVpr / Threads; ++j) {
-    const int idx = threadIdx.x + j * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+  for (int j = 0; j < P::kPer; ++j) {
+    const int t = t0 + j * P::kRowStep;
     if (t < len) {
       float f[8];
-      lds8(dst + t * ld + c8, f);
-      sts8_bf16(dst + t * ld + c8, f, s[t]);
+      lds8(dst + t * ld + c, f);
+      sts8_bf16(dst + t * ld + c, f, s[t]);
     }
   }
 }
@@ -189,28 +209,27 @@ __device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, cons
 template <int Rows, int D, int NB, int Threads, typename In, typename Scale>
 __device__ __forceinline__ void load_tile_bf16(bf16* dst, int ld, const In* src,
                                                int64_t row_stride, int len, Scale scale) {
-  constexpr int kVpr = D / 8, kTotal = Rows * kVpr, kPer = kTotal / Threads;
-  constexpr int kNB = NB < kPer ? NB : kPer;  // loads per batch
-  static_assert(kTotal % Threads == 0 && kPer % kNB == 0, "tile does not split evenly");
-  const int tid = threadIdx.x;
+  using P = TilePieces<Rows, D, Threads>;
+  constexpr int kNB = NB < P::kPer ? NB : P::kPer;  // loads per batch
+  static_assert(P::kPer % kNB == 0, "tile does not split evenly");
+  const int t0 = P::row0(), c = P::col();
 #pragma unroll 1
-  for (int b0 = 0; b0 < kPer; b0 += kNB) {
+  for (int b0 = 0; b0 < P::kPer; b0 += kNB) {
     float f[kNB][8];
     float s[kNB];
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      const int idx = tid + (b0 + j) * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
-      const int tt = min(t, len - 1);
-      load8(src + tt * row_stride + c8, f[j]);
+      const int tt = min(t0 + (b0 + j) * P::kRowStep, len - 1);
+      load8(src + tt * row_stride + c, f[j]);
       s[j] = scale(tt);
     }
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      const int idx = tid + (b0 + j) * Threads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+      const int t = t0 + (b0 + j) * P::kRowStep;
       if (t < len) {
-        sts8_bf16(dst + t * ld + c8, f[j], s[j]);
+        sts8_bf16(dst + t * ld + c, f[j], s[j]);
       } else {
-        sts8_zero(dst + t * ld + c8);
+        sts8_zero(dst + t * ld + c);
       }
     }
   }

@@ -103,11 +103,11 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   const bf16* hsrc = h + (static_cast<int64_t>(c) * HV + hv) * K * V;
   const bf16* vsrc = v_new + (cs.start * HV + hv) * V;
   if (V == 64) {
-    cp_async_tile_bf16<K, 64, kOutThreads>(Hs, VP, hsrc, V, K);
-    cp_async_tile_bf16<kChunk, 64, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
+    cp_async_tile<K, 64, kOutThreads>(Hs, VP, hsrc, V, K);
+    cp_async_tile<kChunk, 64, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
   } else {
-    cp_async_tile_bf16<K, 128, kOutThreads>(Hs, VP, hsrc, V, K);
-    cp_async_tile_bf16<kChunk, 128, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
+    cp_async_tile<K, 128, kOutThreads>(Hs, VP, hsrc, V, K);
+    cp_async_tile<kChunk, 128, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
   }
   cp_async_commit();
   load_tile_bf16<kChunk, K, 8, kOutThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,

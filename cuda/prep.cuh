@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kPrepThreads)
   if (cs.len == 0) return;  // no token rows to write
 
   // A (bf16) into its tile by cp.async, in flight while k, v become scaled bf16 tiles
-  cp_async_tile_bf16<kChunk, kChunk, kPrepThreads>(
+  cp_async_tile<kChunk, kChunk, kPrepThreads>(
       As, AP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
   cp_async_commit();
   wy_load_tiles<In, K>(Ks, Vs, k, v, beta, G, rstd, cs, hv, hk, H, HV, V);
@@ -234,24 +234,25 @@ __device__ __forceinline__ void prep_write_a(bf16* __restrict__ out, const float
 // wy_load_tiles' and load_tile_bf16's (bf16(float(x) * s), s = (beta * e^G) * rstd), so Ks equals
 // wy's Ks bit for bit.
 //
-// bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (cp_async_tile_bf16: rows
+// bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (cp_async_tile: rows
 // t >= len zero-filled) and the thread that copied a 16-byte chunk later rescales that same chunk
 // in place (so its own cp.async.wait is all it needs): k now (prep_k_finish), v after the
 // diagonal solve (scale_tile_bf16 by beta), which hides v's load behind K K^T and the solve and
 // keeps no load data in registers. f32 inputs: through registers (one global read of k, two
 // shared stores).
 
-// Per-row k scales of this thread's k chunks (row t = (tid + j * threads) / (K / 8), clamped):
-// rs = rstd, ks = beta e^G rstd, evaluated as in wy_load_tiles.
+// Per-row k scales of this thread's k chunks (TilePieces rows, clamped): rs = rstd,
+// ks = beta e^G rstd, evaluated as in wy_load_tiles.
 template <int K>
 struct PrepKScales {
-  static constexpr int kPer = kChunk * (K / 8) / kPrepThreads;
+  using P = TilePieces<kChunk, K, kPrepThreads>;
+  static constexpr int kPer = P::kPer;
   float rs[kPer], ks[kPer];
   __device__ __forceinline__ void load(const float* bt, const float* gt, const ScaleRstd& r,
                                        int len, int HV) {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
-      const int t = min(static_cast<int>((threadIdx.x + j * kPrepThreads) / (K / 8)), len - 1);
+      const int t = min(P::row0() + j * P::kRowStep, len - 1);
       rs[j] = r(t);
       ks[j] = __ldg(bt + t * HV) * __expf(__ldg(gt + t * HV)) * rs[j];
     }
@@ -262,10 +263,10 @@ struct PrepKScales {
 template <int K>
 __device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
                                               const PrepKScales<K>& sc, int len) {
-  constexpr int kVpr = K / 8;
+  using P = typename PrepKScales<K>::P;
 #pragma unroll
-  for (int j = 0; j < PrepKScales<K>::kPer; ++j) {
-    const int idx = threadIdx.x + j * kPrepThreads, t = idx / kVpr, c8 = (idx % kVpr) * 8;
+  for (int j = 0; j < P::kPer; ++j) {
+    const int t = P::row0() + j * P::kRowStep, c8 = P::col();
     if (t < len) {
       float f[8];
       lds8(Ks + t * kWyXP + c8, f);
@@ -284,24 +285,23 @@ template <int K>
 __device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, const float* src,
                                                 int64_t row_stride, int len, const float* bt,
                                                 const float* gt, const ScaleRstd& r, int HV) {
-  constexpr int kVpr = K / 8, kPer = kChunk * kVpr / kPrepThreads, kNB = 4;
-  static_assert(kPer % kNB == 0, "tile does not split evenly");
+  using P = TilePieces<kChunk, K, kPrepThreads>;
+  constexpr int kNB = 4;
+  static_assert(P::kPer % kNB == 0, "tile does not split evenly");
+  const int t0 = P::row0(), c8 = P::col();
 #pragma unroll 1
-  for (int b0 = 0; b0 < kPer; b0 += kNB) {
+  for (int b0 = 0; b0 < P::kPer; b0 += kNB) {
     float f[kNB][8], rs[kNB], ks[kNB];
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      const int idx = threadIdx.x + (b0 + j) * kPrepThreads, t = idx / kVpr,
-                c8 = (idx % kVpr) * 8;
-      const int tt = min(t, len - 1);
+      const int tt = min(t0 + (b0 + j) * P::kRowStep, len - 1);
       load8(src + tt * row_stride + c8, f[j]);
       rs[j] = r(tt);
       ks[j] = __ldg(bt + tt * HV) * __expf(__ldg(gt + tt * HV)) * rs[j];
     }
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
-      const int idx = threadIdx.x + (b0 + j) * kPrepThreads, t = idx / kVpr,
-                c8 = (idx % kVpr) * 8;
+      const int t = t0 + (b0 + j) * P::kRowStep;
       if (t < len) {
         sts8_bf16(Kr + t * kp + c8, f[j], rs[j]);
         sts8_bf16(Ks + t * kWyXP + c8, f[j], ks[j]);
@@ -349,12 +349,12 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   const float* gt = G + cs.start * HV + hv;
   const ScaleRstd rs{rstd, cs.start, H, hk};
   if constexpr (kAsync) {
-    cp_async_tile_bf16<kChunk, K, kPrepThreads>(Ks, kWyXP, ksrc, int64_t{H} * K, len);
+    cp_async_tile<kChunk, K, kPrepThreads>(Ks, kWyXP, ksrc, int64_t{H} * K, len);
     cp_async_commit();
     if (V == 64) {
-      cp_async_tile_bf16<kChunk, 64, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
+      cp_async_tile<kChunk, 64, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
     } else {
-      cp_async_tile_bf16<kChunk, 128, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
+      cp_async_tile<kChunk, 128, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
     }
     cp_async_commit();
   }

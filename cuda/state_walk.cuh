@@ -183,39 +183,21 @@ __global__ void __launch_bounds__(walk_threads<VT>())
   // Stream chunk c's w, k, u tile, G and rstd into the staging buffers (zero beyond its length).
   auto prefetch = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    // (issue loop rolled: unrolled, it costs the 4-warp walk 30 registers)
-    cp_async_tile_bf16<kChunk, K, kThreads, false>(stW, K, w + (cs.start * HV + hv) * K,
-                                                   int64_t{HV} * K, cs.len);
-    constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
-    constexpr int kKv = K / kEl;
-#pragma unroll 4
-    for (int idx = tid; idx < kChunk * kKv; idx += kThreads) {
-      const int t = idx / kKv, ce = (idx % kKv) * kEl;
-      const bool ok = t < cs.len;
-      const In* src = ok ? k + ((cs.start + t) * H + hk) * K + ce : k;
-      cp_async16(stK + t * K + ce, src, ok);
-    }
+    // (issue loops rolled: unrolled, they cost the 4-warp walk registers)
+    cp_async_tile<kChunk, K, kThreads, false>(stW, K, w + (cs.start * HV + hv) * K,
+                                              int64_t{HV} * K, cs.len);
+    cp_async_tile<kChunk, K, kThreads, false>(stK, K, k + (cs.start * H + hk) * K,
+                                              int64_t{H} * K, cs.len);
     if constexpr (kOutput) {
-#pragma unroll 4
-      for (int idx = tid; idx < kChunk * kKv; idx += kThreads) {
-        const int t = idx / kKv, ce = (idx % kKv) * kEl;
-        const bool ok = t < cs.len;
-        const In* src = ok ? qin + ((cs.start + t) * H + hk) * K + ce : qin;
-        cp_async16(stQ + t * K + ce, src, ok);
-      }
+      cp_async_tile<kChunk, K, kThreads, false>(stQ, K, qin + (cs.start * H + hk) * K,
+                                                int64_t{H} * K, cs.len);
       if (rstd_q != nullptr && tid < kChunk) {
         const bool ok = tid < cs.len;
         cp_async4(stRq + tid, ok ? rstd_q + (cs.start + tid) * H + hk : rstd_q, ok);
       }
     }
-    constexpr int kUv = VT / 4;
-#pragma unroll 4
-    for (int idx = tid; idx < kChunk * kUv; idx += kThreads) {
-      const int t = idx / kUv, c4 = (idx % kUv) * 4;
-      const bool ok = t < cs.len;
-      const float* src = ok ? u + ((cs.start + t) * HV + hv) * V + v0 + c4 : u;
-      cp_async16(stU + t * UP + c4, src, ok);
-    }
+    cp_async_tile<kChunk, VT, kThreads, false>(stU, UP, u + (cs.start * HV + hv) * V + v0,
+                                               int64_t{HV} * V, cs.len);
     if (tid < kChunk) {
       const bool ok = tid < cs.len;
       cp_async4(stG + tid, ok ? G + (cs.start + tid) * HV + hv : G, ok);
@@ -238,10 +220,11 @@ __global__ void __launch_bounds__(walk_threads<VT>())
     const float eGC = __expf(GC);
     // staging -> bf16 operand tiles
     {
-      constexpr int kV8 = K / 8;
+      using P = TilePieces<kChunk, K, kThreads>;
+      const int t0 = P::row0(), c8 = P::col();
 #pragma unroll 4
-      for (int idx = tid; idx < kChunk * kV8; idx += kThreads) {
-        const int t = idx / kV8, c8 = (idx % kV8) * 8;
+      for (int j = 0; j < P::kPer; ++j) {
+        const int t = t0 + j * P::kRowStep;
         *reinterpret_cast<uint4*>(Ws + t * KP + c8) =
             *reinterpret_cast<const uint4*>(stW + t * K + c8);
         float f[8];

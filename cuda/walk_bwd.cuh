@@ -205,26 +205,14 @@ __global__ void __launch_bounds__(wb_threads<VT>())
   // beyond its length).
   auto prefetch = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    cp_async_tile_bf16<kChunk, K, kThreads, false>(stW, K, w + (cs.start * HV + hv) * K,
-                                                   int64_t{HV} * K, cs.len);
-    constexpr int kEl = 16 / sizeof(In);  // elements per 16-byte piece
-    constexpr int kKv = K / kEl;
-#pragma unroll 4
-    for (int idx = tid; idx < kChunk * kKv; idx += kThreads) {
-      const int t = idx / kKv, ce = (idx % kKv) * kEl;
-      const bool ok = t < cs.len;
-      const int64_t off = ((cs.start + t) * H + hk) * K + ce;
-      cp_async16(stQ + t * K + ce, ok ? q + off : q, ok);
-      cp_async16(stK + t * K + ce, ok ? k + off : k, ok);
-    }
-    constexpr int kOv = VT / kEl;
-#pragma unroll 4
-    for (int idx = tid; idx < kChunk * kOv; idx += kThreads) {
-      const int t = idx / kOv, ce = (idx % kOv) * kEl;
-      const bool ok = t < cs.len;
-      const In* src = ok ? dout + ((cs.start + t) * HV + hv) * V + v0 + ce : dout;
-      cp_async16(stO + t * VT + ce, src, ok);
-    }
+    cp_async_tile<kChunk, K, kThreads, false>(stW, K, w + (cs.start * HV + hv) * K,
+                                              int64_t{HV} * K, cs.len);
+    cp_async_tile<kChunk, K, kThreads, false>(stQ, K, q + (cs.start * H + hk) * K,
+                                              int64_t{H} * K, cs.len);
+    cp_async_tile<kChunk, K, kThreads, false>(stK, K, k + (cs.start * H + hk) * K,
+                                              int64_t{H} * K, cs.len);
+    cp_async_tile<kChunk, VT, kThreads, false>(stO, VT, dout + (cs.start * HV + hv) * V + v0,
+                                               int64_t{HV} * V, cs.len);
     if (scores != nullptr) {
       const bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
 #pragma unroll 4
@@ -254,10 +242,11 @@ __global__ void __launch_bounds__(wb_threads<VT>())
     const float eGC = __expf(GC);
     // staging -> bf16 operand tiles
     {
-      constexpr int kV8 = K / 8;
+      using PK = TilePieces<kChunk, K, kThreads>;
+      const int tk = PK::row0(), ck = PK::col();
 #pragma unroll 2
-      for (int idx = tid; idx < kChunk * kV8; idx += kThreads) {
-        const int t = idx / kV8, c8 = (idx % kV8) * 8;
+      for (int j = 0; j < PK::kPer; ++j) {
+        const int t = tk + j * PK::kRowStep, c8 = ck;
         *reinterpret_cast<uint4*>(Ws + t * KP + c8) =
             *reinterpret_cast<const uint4*>(stW + t * K + c8);
         float f[8];
@@ -266,19 +255,22 @@ __global__ void __launch_bounds__(wb_threads<VT>())
         lds8(stK + t * K + c8, f);
         sts8_bf16(Ks + t * KP + c8, f, rstd_k != nullptr ? stRk[t] : 1.f);
       }
-      constexpr int kO8 = VT / 8;
+      using PO = TilePieces<kChunk, VT, kThreads>;
+      const int to = PO::row0(), co = PO::col();
 #pragma unroll 2
-      for (int idx = tid; idx < kChunk * kO8; idx += kThreads) {
-        const int t = idx / kO8, c8 = (idx % kO8) * 8;
+      for (int j = 0; j < PO::kPer; ++j) {
+        const int t = to + j * PO::kRowStep, c8 = co;
         float f[8];
         lds8(stO + t * VT + c8, f);  // rows >= len are zero
         sts8_bf16(DOs + t * OP + c8, f, scale);
         sts8_bf16(DOg + t * OP + c8, f, scale * __expf(stG[t]));
       }
       if (scores != nullptr) {
+        using PA = TilePieces<kChunk, kChunk, kThreads>;
+        const int ta = PA::row0(), ca = PA::col();
 #pragma unroll 2
-        for (int idx = tid; idx < kChunk * 8; idx += kThreads) {
-          const int t = idx / 8, c8 = (idx % 8) * 8;
+        for (int j = 0; j < PA::kPer; ++j) {
+          const int t = ta + j * PA::kRowStep, c8 = ca;
           *reinterpret_cast<uint4*>(Att + t * AP + c8) =
               *reinterpret_cast<const uint4*>(stA + t * kChunk + c8);
         }
