@@ -25,11 +25,11 @@ from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-DEFAULT_JSON = [os.path.join(RESULTS, "B23_2026-11-30_h200.json"),
+DEFAULT_JSON = [os.path.join(RESULTS, "B23_2026-11-30b_h200.json"),
                 os.path.join(RESULTS, "B23_peers_2026-11-30_h200.json"),
                 os.path.join(RESULTS, "B23-layer_2026-11-30_h200.json")]
 DEFAULT_LOG: List[str] = []
-DEFAULT_OUT = os.path.join(RESULTS, "h200_2026-11-30.png")
+DEFAULT_OUT = os.path.join(RESULTS, "h200_2026-11-30b.png")
 
 # arm name -> (label, colour); unknown arms get matplotlib's next colour
 ARMS = {
