@@ -38,13 +38,13 @@
 // rounds h, v_new, q, k and Att, and every accumulation runs in the same order (which warp
 // computes an element does not change its mma sequence), so o matches state_walk + output bit for
 // bit (barring compiler contraction differences).
-// Cost (ptxas, sm_90a, with the bf16 w staging): K = V = 128, bf16: 237-241 registers, 177 KB
-// shared memory (u staging and v_new tile 64 x 128; q staging 16 KB, Q and K tiles 17 KB each,
-// Att 9 KB), 1 CTA = 8 warps per SM. f32 inputs, K = V = 128: 209 KB. K = 64, V = 128: 200-205
-// registers, 121-137 KB, 1 CTA (8 warps). V = 64 (4 warps, 128 threads): K = 128 153 / 185 KB
-// (bf16 / f32), 1 CTA; K = 64 97 / 113 KB. No spills.
-// The state walk itself (4 warps, VT = 64, bf16 h and v_new stores): K = 128 200-211 registers,
-// 94 / 110 KB (bf16 / f32 k): 2 CTAs per SM; K = 64 164-168 registers, 62 / 70 KB: 3 CTAs per
+// Cost (ptxas 13.0, sm_90a): K = V = 128: 238-240 registers, 177 KB shared memory (bf16; u
+// staging and v_new tile 64 x 128; q staging 16 KB, Q and K tiles 17 KB each, Att 9 KB), 1 CTA =
+// 8 warps per SM. f32 inputs, K = V = 128: 209 KB. K = 64: 161-167 registers, V = 128 121-137 KB,
+// 1 CTA (8 warps). V = 64 (4 warps, 128 threads): K = 128 153 / 185 KB (bf16 / f32), 1 CTA;
+// K = 64 97 / 113 KB. No spills.
+// The state walk itself (4 warps, VT = 64, bf16 h and v_new stores): K = 128 168 registers (f32 k:
+// 208), 94 / 110 KB (bf16 / f32 k): 2 CTAs per SM; K = 64 168 registers, 62 / 70 KB: 3 CTAs per
 // SM. No spills.
 #pragma once
 
