@@ -152,8 +152,8 @@ __device__ __forceinline__ void store2(bf16* p, float a, float b) {
 // How a CTA of Threads splits a Rows x D tile into pieces of 8 elements (kVpr per row): piece
 // idx = tid + j * Threads is row idx / kVpr, columns 8 (idx % kVpr).., so thread tid has the fixed
 // column col() and rows row0() + j * kRowStep, j < kPer. Every tile helper below (and the loops
-// that read such a tile back by thread) uses this mapping; the row step and the fixed column keep
-// the per-piece address arithmetic to a few adds.
+// that read such a tile back by thread) uses this mapping; with the fixed column, a piece's
+// address is one multiply-add on its row (no division per piece).
 template <int Rows, int D, int Threads>
 struct TilePieces {
   static constexpr int kVpr = D / 8, kRowStep = Threads / kVpr, kPer = Rows / kRowStep;
