@@ -8,9 +8,9 @@
 //
 // q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
 // A bf16[NC, HV, 64, 64] (as prep stores it); h, dS_end bf16[NC, HV, K, V] (the walks' bf16
-// tapes); v_new bf16[T, HV, V] (the state walk's); rstd_q, rstd_k f32[T, H] or f32[1] (no L2 norm); chunk
-// table int32 (chunks.py). K, V in {64, 128}. Every token row is written by its chunk; unused
-// chunks (length 0) write nothing.
+// tapes); v_new bf16[T, HV, V] (the state walk's); rstd_q, rstd_k f32[T, H] or f32[1] (no L2
+// norm); chunk table int32 (chunks.py). K, V in {64, 128}. Every token row is written by its
+// chunk; unused chunks (length 0) write nothing.
 #include "chunk_bwd.cuh"
 #include "fwd_args.cuh"
 

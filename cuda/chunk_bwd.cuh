@@ -13,8 +13,10 @@
 //   dA   = diag-col(beta) (du V^T + diag-col(e^G) dw K^T)
 //   dbV  = A^T du  ->  dV = beta dbV          dbK = A^T dw
 //   dL   = -tril(A^T dA A^T, -1)     dLG = dL o Gam     N = dLG o (K K^T)
-//   dK   = diag(dec) dKd + dGam^T Q + diag(beta e^G) dbK + dKK K + dKK^T K      (dKK = diag(beta) dLG)
-//   dG   = rowsum(dQg o Q e^G) - rowsum(dKd o K dec) + rowsum(M) - colsum(M) + beta e^G rowsum(dbK o K)
+//   dK   = diag(dec) dKd + dGam^T Q + diag(beta e^G) dbK + dKK K + dKK^T K
+//          (dKK = diag(beta) dLG)
+//   dG   = rowsum(dQg o Q e^G) - rowsum(dKd o K dec) + rowsum(M) - colsum(M)
+//          + beta e^G rowsum(dbK o K)
 //          with M = da + diag(beta) N
 //   dbeta = rowsum(dbV o V) + e^G rowsum(dbK o K) + rowsum(N)
 //   dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h);   dg_t = dG_C + sum_{t <= i < len} dG_i
@@ -23,8 +25,8 @@
 // one generic warp tile (16 x 32 of a 64 x N result, N in {64, K, V}; 8 warps cover 64 x 64 in
 // one tile each and 64 x 128 in two) over ldmatrix-fed operands in any of the four transposition
 // layouts. f32 intermediates (dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
-// become operands. A, h, dS_end and vn arrive in bf16 (the walks round them when they write them, to
-// the values this kernel rounded them to itself before) and go straight into their tiles by
+// become operands. A, h, dS_end and vn arrive in bf16 (the walks round them when they write them,
+// to the values this kernel rounded them to itself before) and go straight into their tiles by
 // cp.async; e^{G_C} sum(dS o h), their only other use, sums these bf16 values in f32. A CPU
 // emulation of exactly these roundings (before v5: with that sum in f32 h, dS) against the f32
 // xla chunk_bwd gives 2-3e-3 relative RMS on every output (splitting the A-chain operands into

@@ -313,6 +313,26 @@ __device__ __forceinline__ void zero_acc(float (&acc)[NT][4]) {
 // walk_bwd): warp w holds S[nt][e] = state[k][v] with value column v = 16 w + g + 8 (e / 2) (in
 // the CTA's column tile) and key row k = 8 nt + 2 q + (e % 2), g = lane / 4, q = lane % 4.
 
+// Loads (store = false) or stores this warp's 16 columns of an f32 row-major [K][V] state
+// (base at state[k = 0][tile column 0], row pitch V elements).
+template <int K>
+__device__ __forceinline__ void state_rw(float (&S)[K / 8][4], float* base, int V, bool store) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < K / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = 16 * warp + g + 8 * (e >> 1), kk = 8 * nt + 2 * q + (e & 1);
+      float* p = base + static_cast<int64_t>(kk) * V + v;
+      if (store) {
+        *p = S[nt][e];
+      } else {
+        S[nt][e] = *p;
+      }
+    }
+  }
+}
+
 // Writes this warp's 16 columns of the state as bf16 (round to nearest, as pack_bf16 rounds an
 // operand) to a row-major [K][V] state in global memory: base at state[k = 0][tile column 0], row
 // pitch V elements. 16-byte stores (each instruction covers 16 rows x 32 bytes, full sectors), via

@@ -18,7 +18,8 @@ namespace jax_cake_gdn {
 namespace {
 
 template <int kMaxLen>
-__global__ void gate_cumsum_kernel(const float* __restrict__ g, const int32_t* __restrict__ chunk_start,
+__global__ void gate_cumsum_kernel(const float* __restrict__ g,
+                                   const int32_t* __restrict__ chunk_start,
                                    const int32_t* __restrict__ chunk_len, float* __restrict__ out,
                                    int64_t num_tokens, int num_heads) {
   const int c = blockIdx.x;

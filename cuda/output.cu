@@ -75,7 +75,8 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                      chunk_start.typed_data(), chunk_len.typed_data(),
                      static_cast<Out*>(o->untyped_data()),
-                     want_scores ? static_cast<bf16*>(scores->untyped_data()) : static_cast<bf16*>(nullptr),
+                     want_scores ? static_cast<bf16*>(scores->untyped_data())
+                                 : static_cast<bf16*>(nullptr),
                      T,
                      static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V), scale);
       });

@@ -96,27 +96,6 @@ struct WalkSmem {
   static constexpr size_t bytes = oAtt + kAtt;
 };
 
-// S^T fragment element (nt, e) of warp wv: value column v (in the tile) and key row k.
-// v = 16 wv + g + 8 (e / 2), k = 8 nt + 2 q + (e % 2).
-template <int K>
-__device__ __forceinline__ void state_rw(float (&S)[K / 8][4], float* base, int V, bool store) {
-  // base points at state[k = 0][v = tile column 0]; row pitch V.
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int v = 16 * warp + g + 8 * (e >> 1), kk = 8 * nt + 2 * q + (e & 1);
-      float* p = base + static_cast<int64_t>(kk) * V + v;
-      if (store) {
-        *p = S[nt][e];
-      } else {
-        S[nt][e] = *p;
-      }
-    }
-  }
-}
-
 // kOutput = false: qin (the q input), rstd_q and o are unused (nullptr); VT = kWalkVT.
 // kOutput = true: h and v_new are unused (nullptr); o [T, HV, V] in Out; VT = V (one CTA per
 // (segment, value head)).

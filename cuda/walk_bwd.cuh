@@ -115,26 +115,6 @@ constexpr int walk_bwd_vt() {
   return WalkBwdSmem<In, K, V>::fits ? V : 64;
 }
 
-// dS^T fragment element (nt, e) of warp wv: value column v (in the CTA's VT) and key row k,
-// v = 16 wv + g + 8 (e / 2), k = 8 nt + 2 q + (e % 2). base at state[k = 0][CTA column 0].
-template <int K>
-__device__ __forceinline__ void wb_state_rw(float (&S)[K / 8][4], float* base, int V, bool store) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < K / 8; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int v = 16 * warp + g + 8 * (e >> 1), kk = 8 * nt + 2 * q + (e & 1);
-      float* p = base + static_cast<int64_t>(kk) * V + v;
-      if (store) {
-        *p = S[nt][e];
-      } else {
-        S[nt][e] = *p;
-      }
-    }
-  }
-}
-
 template <typename In, int K, int VT>
 __global__ void __launch_bounds__(wb_threads<VT>())
     walk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k,
@@ -184,15 +164,13 @@ __global__ void __launch_bounds__(wb_threads<VT>())
 
   float S[K / 8][4];
   float* dh0p = dh0 + (static_cast<int64_t>(s) * HV + hv) * state_stride + v0;
-  wb_state_rw<K>(S,
-                 const_cast<float*>(dfinal) + (static_cast<int64_t>(s) * HV + hv) * state_stride +
-                     v0,
-                 V, false);
+  const float* dfin = dfinal + (static_cast<int64_t>(s) * HV + hv) * state_stride + v0;
+  state_rw<K>(S, const_cast<float*>(dfin), V, false);
 
   const int c_first = seg_first[s], c_last = seg_last[s];
   const bool empty = seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
   if (empty) {
-    wb_state_rw<K>(S, dh0p, V, true);
+    state_rw<K>(S, dh0p, V, true);
     // No used chunk at all (no tokens): every dS_end is zero, written by segment 0.
     if (s == 0 && NC > 0 && clen[0] <= 0) {
       for (int c = 0; c < NC; ++c)
@@ -374,7 +352,7 @@ __global__ void __launch_bounds__(wb_threads<VT>())
     }
   }
 
-  wb_state_rw<K>(S, dh0p, V, true);
+  state_rw<K>(S, dh0p, V, true);
   // The last used chunk's segment also zeroes the unused chunks' dS_end.
   if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
     for (int c = c_last + 1; c < NC; ++c)
