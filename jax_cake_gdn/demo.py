@@ -206,7 +206,8 @@ def main(argv=None):
     err = float(np.linalg.norm(sl(o).astype(np.float64) - o_ref) / max(np.linalg.norm(o_ref), 1e-30))
     tol = 1e-2 if args.dtype == "bf16" else 1e-4
     ok = bool(np.isfinite(err)) and err < tol
-    print(f"check: gdn output of doc {d} (tokens {a}:{b} of {int(lens[d])}) vs float64 reference: "
+    print(f"check: gdn output of doc {d} (its first {b - a} of {int(lens[d])} tokens, packed "
+          f"positions {a}:{b}) vs float64 reference: "
           f"rel RMS {err:.2e} (tol {tol:.0e}) {'OK' if ok else 'FAILED'}")
     if not ok:
         return 1
