@@ -12,9 +12,10 @@
 // v_new is rounded to bf16 once (nearest) and goes to global and to this warp's columns of a
 // shared tile that feeds product 2 (only the warp itself reads them): its readers (output,
 // chunk_bwd) use exactly these bf16 values as operands. w arrives in bf16 (prep rounded it, the
-// value this kernel used to round it to). w, k, u, G and rstd of chunk c + 1 stream into staging
-// buffers with cp.async while chunk c computes; the staging is copied / converted to the bf16
-// operand tiles (Ws, Kd) at the top of each chunk.
+// value this kernel used to round it to). Loads go by cp.async while the previous chunk computes:
+// w straight into its operand tile Ws once product 1 is done with it; bf16 k (the state walk)
+// straight into Kd at the top of the chunk, scaled in place just before product 2; u, G, rstd
+// (and f32 k, walk_output's k and q) into staging buffers, converted at the top of the chunk.
 // h goes to global as bf16 (the f32 state rounded to nearest: the value chunk_bwd and output use
 // as an operand), with 16-byte stores through a transpose in this warp's columns of the v_new
 // tile before product 1 writes them (state_store_bf16, fwd_common.cuh; no extra shared memory).
@@ -38,14 +39,14 @@
 // rounds h, v_new, q, k and Att, and every accumulation runs in the same order (which warp
 // computes an element does not change its mma sequence), so o matches state_walk + output bit for
 // bit (barring compiler contraction differences).
-// Cost (ptxas 13.0, sm_90a): K = V = 128: 238-240 registers, 177 KB shared memory (bf16; u
-// staging and v_new tile 64 x 128; q staging 16 KB, Q and K tiles 17 KB each, Att 9 KB), 1 CTA =
-// 8 warps per SM. f32 inputs, K = V = 128: 209 KB. K = 64: 161-167 registers, V = 128 121-137 KB,
-// 1 CTA (8 warps). V = 64 (4 warps, 128 threads): K = 128 153 / 185 KB (bf16 / f32), 1 CTA;
-// K = 64 97 / 113 KB. No spills.
+// Cost (ptxas 13.0, sm_90a): K = V = 128: 227 registers, 162 KB shared memory (bf16; u staging
+// and v_new tile 64 x 128; k and q staging 16 KB each, Q and K tiles 17 KB each, Att 9 KB), 1 CTA
+// = 8 warps per SM. f32 inputs, K = V = 128: 194 KB. K = 64: 199-202 registers, 90-130 KB, 1 CTA.
+// V = 64 (4 warps, 128 threads): K = 128 237 registers, 138 / 170 KB (bf16 / f32), 1 CTA.
 // The state walk itself (4 warps, VT = 64, bf16 h and v_new stores): K = 128 168 registers (f32 k:
-// 208), 94 / 110 KB (bf16 / f32 k): 2 CTAs per SM; K = 64 168 registers, 62 / 70 KB: 3 CTAs per
-// SM. No spills.
+// 210), 62 / 94 KB (bf16 / f32 k): 3 / 2 CTAs per SM (ncu at B23: 3, so its 384 CTAs run as one
+// wave and the longest document's chain sets the time); K = 64 166 registers, 46 / 62 KB, 3 CTAs.
+// No spills.
 #pragma once
 
 #include "fwd_common.cuh"
