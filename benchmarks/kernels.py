@@ -11,7 +11,9 @@ forward (light, full) and fwd+bwd the same way, for the sum check.
 
 --base also times the baseline copy of benchmarks/baseline.py ($JCG_BASELINE) in the same
 process: each row then runs current, baseline, baseline, current (median of each pair) and
-reports both and their ratio.
+reports both and their ratio, and whether the two gave bit-identical outputs (else the largest
+difference relative to the baseline's largest magnitude). Each copy feeds a primitive its own
+intermediates, so below the first row that differs the inputs differ too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,29 @@ def _median_ms(fn, *args, calls):
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts) * 1e3)
+
+
+def compare_outputs(cur, base) -> str:
+    """'same bits', or 'differs (max rel X)' over all output arrays of two calls."""
+    import jax
+
+    xs, ys = jax.tree_util.tree_leaves(cur), jax.tree_util.tree_leaves(base)
+    if len(xs) != len(ys):
+        return f"differs ({len(xs)} vs {len(ys)} outputs)"
+    worst, same = 0.0, True
+    for x, y in zip(xs, ys):
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"differs (shape/dtype {x.shape} {x.dtype} vs {y.shape} {y.dtype})"
+        if x.tobytes() == y.tobytes():
+            continue
+        same = False
+        xf, yf = x.astype(np.float64), y.astype(np.float64)
+        scale = float(np.max(np.abs(yf[np.isfinite(yf)]), initial=0.0)) or 1.0
+        diff = np.abs(xf - yf)
+        d = float(np.max(np.where(np.isnan(diff), np.inf, diff), initial=0.0))
+        worst = max(worst, d / scale)
+    return "same bits" if same else f"differs (max rel {worst:.1e})"
 
 
 def primitive_calls(wl, backend: str, lib=None):
@@ -134,7 +159,7 @@ def main(argv=None):
     import jax
 
     wl = workloads.get(args.workload)
-    rows, base_rows, base_rev = {}, {}, None
+    rows, base_rows, base_rev, base_equal = {}, {}, None, {}
     print(f"[kernels] {wl.name} backend={args.backend} device={jax.devices()[0]}", flush=True)
     cur = primitive_calls(wl, args.backend) + whole_op_calls(wl, args.backend)
     if args.base:
@@ -148,8 +173,10 @@ def main(argv=None):
             t = [_median_ms(fn, *a, calls=args.calls), _median_ms(fb, *ab, calls=args.calls),
                  _median_ms(fb, *ab, calls=args.calls), _median_ms(fn, *a, calls=args.calls)]
             rows[name], base_rows[name] = (t[0] + t[3]) / 2, (t[1] + t[2]) / 2
+            base_equal[name] = compare_outputs(fn(*a), fb(*ab))
             print(f"  {name:32s} {rows[name]:9.3f} ms  base {base_rows[name]:9.3f} ms  "
-                  f"base/current {base_rows[name] / rows[name]:5.2f}", flush=True)
+                  f"base/current {base_rows[name] / rows[name]:5.2f}  {base_equal[name]}",
+                  flush=True)
     else:
         for name, fn, a in cur:
             rows[name] = _median_ms(fn, *a, calls=args.calls)
@@ -157,7 +184,7 @@ def main(argv=None):
     res = dict(workload=wl.describe(), backend=args.backend, device=str(jax.devices()[0]),
                calls=args.calls, median_ms=rows)
     if args.base:
-        res.update(base_revision=base_rev, base_median_ms=base_rows)
+        res.update(base_revision=base_rev, base_median_ms=base_rows, base_outputs=base_equal)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"kernels_{wl.name}_{args.backend}.json")

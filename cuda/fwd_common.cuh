@@ -78,6 +78,12 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // ---------------------------------------------------------------- conversions
 
 // Two floats -> bf16x2 in one register (lo in the low half: the lower k / column index).
@@ -185,10 +191,10 @@ __device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int6
 }
 
 // In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile times the row
-// scale s[row] (shared memory), rounded to bf16 (the values load_tile_bf16 gives); rows >= len
-// stay zero.
-template <int Rows, int D, int Threads>
-__device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, const float* s) {
+// scale s(row) (s[row] for a shared-memory array), rounded to bf16 (the values load_tile_bf16
+// gives); rows >= len stay zero.
+template <int Rows, int D, int Threads, typename Scale>
+__device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, Scale s) {
   using P = TilePieces<Rows, D, Threads>;
   const int t0 = P::row0(), c = P::col();
 #pragma unroll
@@ -197,7 +203,11 @@ __device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, cons
     if (t < len) {
       float f[8];
       lds8(dst + t * ld + c, f);
-      sts8_bf16(dst + t * ld + c, f, s[t]);
+      if constexpr (std::is_pointer_v<Scale>) {
+        sts8_bf16(dst + t * ld + c, f, s[t]);
+      } else {
+        sts8_bf16(dst + t * ld + c, f, s(t));
+      }
     }
   }
 }

@@ -12,9 +12,10 @@
 // v_new is rounded to bf16 once (nearest) and goes to global and to this warp's columns of a
 // shared tile that feeds product 2 (only the warp itself reads them): its readers (output,
 // chunk_bwd) use exactly these bf16 values as operands. w arrives in bf16 (prep rounded it, the
-// value this kernel used to round it to). w, k, u, G and rstd of chunk c + 1 stream into staging
-// buffers with cp.async while chunk c computes; the staging is copied / converted to the bf16
-// operand tiles (Ws, Kd) at the top of each chunk.
+// value this kernel used to round it to). Loads go by cp.async while the previous chunk computes:
+// w straight into its operand tile Ws once product 1 is done with it; bf16 k (the state walk)
+// straight into Kd at the top of the chunk, scaled in place just before product 2; u, G, rstd
+// (and f32 k, walk_output's k and q) into staging buffers, converted at the top of the chunk.
 // h goes to global as bf16 (the f32 state rounded to nearest: the value chunk_bwd and output use
 // as an operand), with 16-byte stores through a transpose in this warp's columns of the v_new
 // tile before product 1 writes them (state_store_bf16, fwd_common.cuh; no extra shared memory).
@@ -38,14 +39,14 @@
 // rounds h, v_new, q, k and Att, and every accumulation runs in the same order (which warp
 // computes an element does not change its mma sequence), so o matches state_walk + output bit for
 // bit (barring compiler contraction differences).
-// Cost (ptxas 13.0, sm_90a): K = V = 128: 238-240 registers, 177 KB shared memory (bf16; u
-// staging and v_new tile 64 x 128; q staging 16 KB, Q and K tiles 17 KB each, Att 9 KB), 1 CTA =
-// 8 warps per SM. f32 inputs, K = V = 128: 209 KB. K = 64: 161-167 registers, V = 128 121-137 KB,
-// 1 CTA (8 warps). V = 64 (4 warps, 128 threads): K = 128 153 / 185 KB (bf16 / f32), 1 CTA;
-// K = 64 97 / 113 KB. No spills.
+// Cost (ptxas 13.0, sm_90a): K = V = 128: 227 registers, 162 KB shared memory (bf16; u staging
+// and v_new tile 64 x 128; k and q staging 16 KB each, Q and K tiles 17 KB each, Att 9 KB), 1 CTA
+// = 8 warps per SM. f32 inputs, K = V = 128: 194 KB. K = 64: 199-202 registers, 90-130 KB, 1 CTA.
+// V = 64 (4 warps, 128 threads): K = 128 237 registers, 138 / 170 KB (bf16 / f32), 1 CTA.
 // The state walk itself (4 warps, VT = 64, bf16 h and v_new stores): K = 128 168 registers (f32 k:
-// 208), 94 / 110 KB (bf16 / f32 k): 2 CTAs per SM; K = 64 168 registers, 62 / 70 KB: 3 CTAs per
-// SM. No spills.
+// 210), 62 / 94 KB (bf16 / f32 k): 3 / 2 CTAs per SM (ncu at B23: 3, so its 384 CTAs run as one
+// wave and the longest document's chain sets the time); K = 64 166 registers, 46 / 62 KB, 3 CTAs.
+// No spills.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -63,19 +64,26 @@ constexpr int walk_threads() {
   return 2 * VT;
 }
 
+// k goes by cp.async straight into the Kd tile and is scaled there (the state walk with bf16 k);
+// otherwise (f32 k, or walk_output, which also needs k without the decay) through a staging tile.
+template <typename In, bool kOutput>
+constexpr bool walk_k_in_place() {
+  return !kOutput && std::is_same_v<In, bf16>;
+}
+
 template <typename In, int K, bool kOutput = false, int VT = kWalkVT>
 struct WalkSmem {
   static constexpr int KP = K + 8;         // bf16 pitch of Ws, Kd
   static constexpr int UP = VT + 8;        // f32 pitch of the u staging
   static constexpr int NP = VT + 8;        // bf16 pitch of the v_new tile
   static constexpr int AP = kChunk + 8;    // bf16 pitch of the Att tile (kOutput)
-  static constexpr size_t kStW = size_t{kChunk} * K * sizeof(bf16);
-  static constexpr size_t kStK = size_t{kChunk} * K * sizeof(In);
+  static constexpr size_t kStK =
+      walk_k_in_place<In, kOutput>() ? 0 : size_t{kChunk} * K * sizeof(In);
   static constexpr size_t kStU = size_t{kChunk} * UP * sizeof(float);
-  static constexpr size_t kStG = 2 * kChunk * sizeof(float);  // G, rstd
+  static constexpr size_t kStG = 2 * 2 * kChunk * sizeof(float);  // G, rstd; two chunks
   static constexpr size_t kWs = size_t{kChunk} * KP * sizeof(bf16);
   static constexpr size_t kVn = size_t{kChunk} * NP * sizeof(bf16);
-  static constexpr size_t oStK = kStW;
+  static constexpr size_t oStK = 0;
   static constexpr size_t oStU = oStK + kStK;
   static constexpr size_t oStG = oStU + kStU;
   static constexpr size_t oWs = oStG + kStG;
@@ -99,8 +107,10 @@ struct WalkSmem {
 // kOutput = false: qin (the q input), rstd_q and o are unused (nullptr); VT = kWalkVT.
 // kOutput = true: h and v_new are unused (nullptr); o [T, HV, V] in Out; VT = V (one CTA per
 // (segment, value head)).
+// The in-place state walk fits 3 CTAs per SM at K = 128 (62 KB of shared memory, <= 170
+// registers); the bound keeps ptxas there.
 template <typename In, int K, bool kOutput = false, typename Out = float, int VT = kWalkVT>
-__global__ void __launch_bounds__(walk_threads<VT>())
+__global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutput>() ? 3 : 1)
     state_walk_kernel(const In* __restrict__ k, const bf16* __restrict__ w,
                       const float* __restrict__ u, const float* __restrict__ G,
                       const float* __restrict__ h0, const float* __restrict__ rstd,  // nullable
@@ -117,12 +127,12 @@ __global__ void __launch_bounds__(walk_threads<VT>())
   constexpr int KP = Sm::KP, UP = Sm::UP, NP = Sm::NP, AP = Sm::AP;
   constexpr int KS = K / 16;
   constexpr int kThreads = walk_threads<VT>();
+  constexpr bool kInPlace = walk_k_in_place<In, kOutput>();
   extern __shared__ __align__(16) unsigned char smem[];
-  bf16* stW = reinterpret_cast<bf16*>(smem);
-  In* stK = reinterpret_cast<In*>(smem + Sm::oStK);
+  In* stK = reinterpret_cast<In*>(smem + Sm::oStK);  // unused when kInPlace
   float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
-  float* stG = reinterpret_cast<float*>(smem + Sm::oStG);
-  float* stR = stG + kChunk;
+  float* stG0 = reinterpret_cast<float*>(smem + Sm::oStG);  // chunk c: G at stG0 + (c & 1) * 128,
+                                                            // rstd 64 after it
   bf16* Ws = reinterpret_cast<bf16*>(smem + Sm::oWs);
   bf16* Kd = reinterpret_cast<bf16*>(smem + Sm::oKd);
   bf16* Vn = reinterpret_cast<bf16*>(smem + Sm::oVn);
@@ -159,14 +169,26 @@ __global__ void __launch_bounds__(walk_threads<VT>())
     return;
   }
 
-  // Stream chunk c's w, k, u tile, G and rstd into the staging buffers (zero beyond its length).
-  auto prefetch = [&](int c) {
+  // cp.async issue for chunk c (rows beyond its length zero; the caller commits). The loads land
+  // where the step reads them: w straight into Ws; k (kInPlace) straight into Kd; u, G, rstd (and
+  // k, q, rstd_q when staged) into staging. (Issue loops rolled: unrolled, they cost the 4-warp
+  // walk registers.)
+  auto prefetch_w = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    // (issue loops rolled: unrolled, they cost the 4-warp walk registers)
-    cp_async_tile<kChunk, K, kThreads, false>(stW, K, w + (cs.start * HV + hv) * K,
+    cp_async_tile<kChunk, K, kThreads, false>(Ws, KP, w + (cs.start * HV + hv) * K,
                                               int64_t{HV} * K, cs.len);
-    cp_async_tile<kChunk, K, kThreads, false>(stK, K, k + (cs.start * H + hk) * K,
+  };
+  auto prefetch_k = [&](int c) {
+    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+    cp_async_tile<kChunk, K, kThreads, false>(kInPlace ? reinterpret_cast<In*>(Kd) : stK,
+                                              kInPlace ? KP : K, k + (cs.start * H + hk) * K,
                                               int64_t{H} * K, cs.len);
+  };
+  auto prefetch_rows = [&](int c) {
+    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+    float* stG = stG0 + (c & 1) * 2 * kChunk;
+    float* stR = stG + kChunk;
+    if constexpr (!kInPlace) prefetch_k(c);
     if constexpr (kOutput) {
       cp_async_tile<kChunk, K, kThreads, false>(stQ, K, qin + (cs.start * H + hk) * K,
                                                 int64_t{H} * K, cs.len);
@@ -185,33 +207,48 @@ __global__ void __launch_bounds__(walk_threads<VT>())
       const bool ok = t < cs.len;
       cp_async4(stR + t, ok ? rstd + (cs.start + t) * H + hk : rstd, ok);
     }
-    cp_async_commit();
   };
 
-  prefetch(c_first);
+  // Per chunk c, commit groups in issue order (every thread commits each one, empty or not):
+  //   kInPlace:  k(c) at the top;  rows + w of c + 1 after product 1;  wait for k(c) before
+  //              product 2 with rows + w of c + 1 still in flight
+  //   otherwise: (kOutput) rows of c + 1 once the staging is read;  w (+ rows, not kOutput) of
+  //              c + 1 after product 1;  the top waits for everything
+  // so a tile is overwritten only after the barrier that follows its last reader.
+  prefetch_rows(c_first);
+  prefetch_w(c_first);
+  cp_async_commit();
   for (int c = c_first; c <= c_last; ++c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     const int len = cs.len;
+    const float* stG = stG0 + (c & 1) * 2 * kChunk;
+    const float* stR = stG + kChunk;
     cp_async_wait_all();
-    __syncthreads();  // staging holds chunk c; every warp is done with chunk c - 1's tiles
+    __syncthreads();  // chunk c's w, u, G, rstd have landed; every warp is done with chunk c - 1
+    if constexpr (kInPlace) {
+      prefetch_k(c);
+      cp_async_commit();
+    }
 
     const float GC = len > 0 ? stG[len - 1] : 0.f;
     const float eGC = __expf(GC);
-    // staging -> bf16 operand tiles
-    {
+    // the Kd decay scale of row t (0 beyond len): k rstd e^{G_C - G}
+    auto kd_scale = [&](int t) {
+      const float r = rstd != nullptr ? stR[t] : 1.f;
+      return t < len ? r * __expf(GC - stG[t]) : 0.f;
+    };
+    // staged k (and q) -> bf16 operand tiles
+    if constexpr (!kInPlace) {
       using P = TilePieces<kChunk, K, kThreads>;
       const int t0 = P::row0(), c8 = P::col();
 #pragma unroll 4
       for (int j = 0; j < P::kPer; ++j) {
         const int t = t0 + j * P::kRowStep;
-        *reinterpret_cast<uint4*>(Ws + t * KP + c8) =
-            *reinterpret_cast<const uint4*>(stW + t * K + c8);
         float f[8];
         lds8(stK + t * K + c8, f);
-        const float r = rstd != nullptr ? stR[t] : 1.f;
-        sts8_bf16(Kd + t * KP + c8, f, t < len ? r * __expf(GC - stG[t]) : 0.f);
+        sts8_bf16(Kd + t * KP + c8, f, kd_scale(t));
         if constexpr (kOutput) {  // as output.cuh's tile loads: x rstd, zero beyond len
-          sts8_bf16(Ks + t * KP + c8, f, r);
+          sts8_bf16(Ks + t * KP + c8, f, rstd != nullptr ? stR[t] : 1.f);
           lds8(stQ + t * K + c8, f);
           sts8_bf16(Qs + t * KP + c8, f, rstd_q != nullptr ? stRq[t] : 1.f);
         }
@@ -231,8 +268,11 @@ __global__ void __launch_bounds__(walk_threads<VT>())
           acc[mt][nv][2 * half] = x.x;
           acc[mt][nv][2 * half + 1] = x.y;
         }
-    __syncthreads();  // tiles ready; staging free
-    if (c < c_last) prefetch(c + 1);
+    if constexpr (kOutput) {
+      __syncthreads();  // Qs, Ks ready; staging free
+      if (c < c_last) prefetch_rows(c + 1);
+      cp_async_commit();
+    }
 
     // o accumulators (kOutput): rows 16mt.., this warp's columns 16wv + 8nv..
     [[maybe_unused]] float oacc[4][2][4];
@@ -307,9 +347,15 @@ __global__ void __launch_bounds__(walk_threads<VT>())
           *reinterpret_cast<uint32_t*>(Vn + t * NP + vc) = pack_bf16(x0, x1);
         }
     __syncwarp();
+    __syncthreads();  // every warp is done with Ws (kOutput: AttS holds all 64 rows)
+    if (c < c_last) {
+      if constexpr (!kOutput) prefetch_rows(c + 1);
+      prefetch_w(c + 1);
+    }
+    cp_async_commit();
 
     if constexpr (kOutput) {
-      __syncthreads();  // AttS holds all 64 rows (the Vn columns read below are this warp's own)
+      // (the Vn columns read below are this warp's own)
       // o = scale (diag(e^G) Q S + Att v_new), in output.cuh's order
 #pragma unroll
       for (int mt = 0; mt < 4; ++mt) {
@@ -339,6 +385,11 @@ __global__ void __launch_bounds__(walk_threads<VT>())
       }
     }
 
+    if constexpr (kInPlace) {  // k(c) has landed in Kd: scale it (each thread its own pieces)
+      cp_async_wait<1>();
+      scale_tile_bf16<kChunk, K, kThreads>(Kd, KP, len, kd_scale);
+      __syncthreads();
+    }
     // product 2: S^T = e^{G_C} S^T + v_new^T Kd
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt)

@@ -164,9 +164,27 @@ def test_baseline_copy_loads_next_to_the_library(tmp_path, monkeypatch):
         assert res["base_revision"] == "abc1234"
         assert set(res["base_median_ms"]) == set(res["median_ms"]), res
         assert all(t > 0 for t in res["base_median_ms"].values())
+        # the copy is of this tree: every primitive gives the same bits
+        assert set(res["base_outputs"].values()) == {{"same bits"}}, res["base_outputs"]
         print("OK")
     """))
     monkeypatch.delenv(baseline.ENV, raising=False)
     w = workloads.get("tiny")
     with pytest.raises(arms.ArmUnavailable, match=baseline.ENV):
         arms.make_arm("base:full").setup(w, "fwd", w.make_inputs(0))
+
+
+def test_compare_outputs_reports_differences():
+    import numpy as np
+    from benchmarks.kernels import compare_outputs
+
+    a = (np.ones((3, 4), np.float32), np.arange(5, dtype=np.int32))
+    assert compare_outputs(a, tuple(x.copy() for x in a)) == "same bits"
+    b = (a[0] * np.float32(1 + 2 ** -20), a[1])
+    assert compare_outputs(a, b) == "differs (max rel 9.5e-07)"  # 2^-20 / (1 + 2^-20)
+    c = (np.where(np.eye(3, 4) > 0, np.nan, 1).astype(np.float32), a[1])
+    assert compare_outputs(c, a) == "differs (max rel inf)"
+    assert compare_outputs(a, a[:1]).startswith("differs (2 vs 1")
+    # -0.0 and 0.0 compare equal as numbers but not as bits
+    assert compare_outputs((np.float32([-0.0]),), (np.float32([0.0]),)) == (
+        "differs (max rel 0.0e+00)")
