@@ -20,7 +20,8 @@ torch arms from `torch.cuda.max_memory_allocated()` over one call (inputs includ
 Adding an arm (e.g. the torch peers FlashQLA and FLA): write a factory `spec_options -> Arm`
 and add it to `FACTORIES`; set `framework="torch"` so the runner stops JAX from preallocating
 the GPU before it imports JAX. Arm specs on the command line are `name[:opt[:opt...]]`, e.g.
-`xla`, `cuda:full`, `cuda:full:det`.
+`xla`, `cuda:full`, `cuda:full:det`; `base[:opts]` is the cuda backend of a baseline revision
+loaded beside this library (benchmarks/baseline.py).
 """
 
 from __future__ import annotations
@@ -70,15 +71,19 @@ def _jax_inputs(wl, inputs):
     return _JAX_INPUT_CACHE[key]
 
 
-def build_jax_op(wl, op, *, backend, save_mode="light", deterministic=False):
+def build_jax_op(wl, op, *, backend, save_mode="light", deterministic=False, lib=None):
     """A jitted function `f(args, do, cu_seqlens)` for `op` and the names of `args`.
 
     fwd returns o; fwd+bwd returns (loss, grads) of loss = sum(o * do) (value_and_grad, so o is
     computed as in training); ckpt is the same around `jax.checkpoint(layer)` (2 x fwd + bwd).
+    lib: the library module (default jax_cake_gdn; the `base` arm passes its jcg_base copy).
     """
     import jax
     import jax.numpy as jnp
-    import jax_cake_gdn as jcg
+
+    if lib is None:
+        import jax_cake_gdn as lib
+    jcg = lib
 
     HK, HVV = wl.H * wl.K, wl.HV * wl.V
     kw = dict(qk_l2norm=wl.qk_l2norm, save_mode=save_mode, deterministic=deterministic,
@@ -152,26 +157,40 @@ def _jax_call(fn, *args):
     return call
 
 
-def jax_arm(backend: str, opts: List[str]) -> Arm:
+def jax_arm(backend: str, opts: List[str], *, baseline: bool = False) -> Arm:
+    """`xla` / `cuda` (this library) or, with baseline=True, `base`: the cuda backend of the
+    baseline copy that `python -m benchmarks.baseline REV --dest DIR` made ($JCG_BASELINE=DIR)."""
     save_mode, det = "light", False
+    label = "base" if baseline else backend
     for o in opts:
         if o in ("light", "full"):
             save_mode = o
         elif o in ("det", "deterministic"):
             det = True
         else:
-            raise ValueError(f"arm {backend}: unknown option {o!r} (light, full, det)")
-    name = ":".join([backend] + opts)
+            raise ValueError(f"arm {label}: unknown option {o!r} (light, full, det)")
+    name = ":".join([label] + opts)
+    options = {"backend": backend, "save_mode": save_mode, "deterministic": det}
 
     def setup(wl, op, inputs):
+        lib = None
+        if baseline:
+            from . import baseline as bl
+
+            try:
+                lib, rev = bl.load()
+            except Exception as e:  # noqa: BLE001
+                raise ArmUnavailable(f"{type(e).__name__}: {e}") from e
+            options["library"] = f"{bl.BASE} (revision {rev})"
         dev = _jax_inputs(wl, inputs)
-        fn, names = build_jax_op(wl, op, backend=backend, save_mode=save_mode, deterministic=det)
+        fn, names = build_jax_op(wl, op, backend=backend, save_mode=save_mode, deterministic=det,
+                                 lib=lib)
         args = tuple(dev[n] for n in names)
         do, cu = dev["do"], dev["cu_seqlens"]
         return _jax_call(fn, args, do, cu)
 
     return Arm(name=name, setup=setup, sync=_jax_sync, to_numpy=_jax_to_numpy, framework="jax",
-               options={"backend": backend, "save_mode": save_mode, "deterministic": det})
+               options=options)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -406,6 +425,7 @@ def _kcp_exchange_call(wl, op, cfg, W, mesh, cu):
 FACTORIES: Dict[str, Callable[[List[str]], Arm]] = {
     "xla": lambda opts: jax_arm("xla", opts),
     "cuda": lambda opts: jax_arm("cuda", opts),
+    "base": lambda opts: jax_arm("cuda", opts, baseline=True),  # benchmarks/baseline.py's copy
     "flashqla": lambda opts: torch_arm("flashqla", opts),  # FlashQLA 0.1.3 (TileLang)
     "fla": lambda opts: torch_arm("fla", opts),  # flash-linear-attention 0.6.0 (Triton)
     "kcp": kcp_arm,  # gdn_kcp over W devices

@@ -106,3 +106,59 @@ def test_kernel_times_end_to_end(tmp_path):
     assert all(t > 0 for t in res["median_ms"].values())
     saved = json.loads((tmp_path / "kernels_tiny_xla.json").read_text())
     assert saved["median_ms"] == res["median_ms"]
+
+
+def test_baseline_copy_loads_next_to_the_library(tmp_path, monkeypatch):
+    # benchmarks/baseline.py's renamed copy (here of the current tree and its built extension, as
+    # `python -m benchmarks.baseline REV` makes of a revision): imports as jcg_base beside
+    # jax_cake_gdn, lowers for the cuda platform to its own jcg_base_* FFI targets while the
+    # library keeps jax_cake_gdn_*; without a copy the `base` arm is unavailable, saying why.
+    import os
+    import shutil
+    import textwrap
+
+    from conftest import need_ext, run_python
+
+    from benchmarks import arms, baseline
+
+    need_ext()
+    import jax_cake_gdn
+    import jax_cake_gdn._cuda as ext
+
+    pkg = tmp_path / "built" / "jax_cake_gdn"
+    shutil.copytree(os.path.dirname(jax_cake_gdn.__file__), pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ext.__file__, pkg)
+    dest = tmp_path / "dest"
+    out = baseline.rename_copy(str(pkg), str(dest), "abc1234")
+    for path in (dest / "jcg_base").rglob("*.py"):  # no name of the library is left
+        text = path.read_text().replace(baseline._REGISTER_RENAMED, "")
+        assert "jax_cake_gdn" not in text, path
+    assert out == str(dest / "jcg_base")
+    run_python(textwrap.dedent(f"""
+        import jax, jax.numpy as jnp, numpy as np
+        from benchmarks import baseline
+        import jax_cake_gdn as cur
+        base, rev = baseline.load({str(dest)!r})
+        assert rev == "abc1234" and base.__name__ == "jcg_base", (rev, base.__name__)
+        T, H, D = 128, 2, 64
+        r = np.random.default_rng(0)
+        q = jnp.asarray(r.standard_normal((1, T, H, D)), jnp.bfloat16)
+        g = -jnp.abs(jnp.asarray(r.standard_normal((1, T, H)), jnp.float32))
+        beta = jnp.full((1, T, H), 0.5, jnp.float32)
+        cu = jnp.array([0, 50, T], jnp.int32)
+        texts = {{}}
+        for name, lib in (("cur", cur), ("base", base)):
+            f = lambda q, g, beta, lib=lib: lib.gdn(q, q, q, g, beta, cu_seqlens=cu,
+                                                    backend="cuda")
+            texts[name] = jax.jit(f).trace(q, g, beta).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert "jcg_base_walk_output" in texts["base"], texts["base"][-2000:]
+        assert "jax_cake_gdn_" not in texts["base"], "base lowered to the library's targets"
+        assert "jcg_base_" not in texts["cur"] and "jax_cake_gdn_walk_output" in texts["cur"]
+        print("OK")
+    """))
+    monkeypatch.delenv(baseline.ENV, raising=False)
+    w = workloads.get("tiny")
+    with pytest.raises(arms.ArmUnavailable, match=baseline.ENV):
+        arms.make_arm("base:full").setup(w, "fwd", w.make_inputs(0))
