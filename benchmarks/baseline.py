@@ -1,6 +1,7 @@
 """A baseline revision of the library next to the current one, for A/B timing in one process.
 
     python -m benchmarks.baseline REV --dest DIR
+    python -m benchmarks.baseline --src TREE --label REV --dest DIR   (no git here: a source tree)
 
 builds revision REV (`git archive`, then `pip wheel --no-build-isolation`, which compiles its CUDA
 extension against the jaxlib installed here) and installs it under DIR as the package `jcg_base`:
@@ -63,14 +64,21 @@ def rename_copy(pkg_dir: str, dest: str, revision: str = "") -> str:
     return out
 
 
-def build_revision(rev: str, workdir: str) -> str:
-    """Build `rev` of the repository this file is in; returns the built package directory."""
+def export_revision(rev: str, workdir: str) -> str:
+    """`git archive` of `rev` (of the repository this file is in) into workdir/src."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                           check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     src = os.path.join(workdir, "src")
     os.makedirs(src)
     archive = subprocess.run(["git", "archive", rev], capture_output=True, check=True, cwd=root)
     subprocess.run(["tar", "-x", "-C", src], input=archive.stdout, check=True)
+    return src
+
+
+def build_tree(src: str, workdir: str, label: str = "") -> str:
+    """Build the source tree `src` (its pyproject.toml may be rewritten: copy it first); returns
+    the built package directory under workdir."""
+    rev = label or src
     wheels = os.path.join(workdir, "wheel")
     cmd = [sys.executable, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps",
            "-w", wheels, src]
@@ -115,14 +123,24 @@ def load(dest: str | None = None):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("rev", help="git revision to build as the baseline")
+    p.add_argument("rev", nargs="?", help="git revision to build as the baseline")
+    p.add_argument("--src", help="a source tree of the baseline instead (no git needed)")
+    p.add_argument("--label", default="", help="with --src: the revision it is, for the records")
     p.add_argument("--dest", required=True, help="directory to hold the jcg_base package")
     a = p.parse_args(argv)
-    rev = subprocess.run(["git", "rev-parse", "--short", a.rev], capture_output=True, text=True,
-                         check=True).stdout.strip()
+    if (a.rev is None) == (a.src is None):
+        p.error("give exactly one of: a revision, --src TREE")
     with tempfile.TemporaryDirectory() as work:
-        print(f"[baseline] building {a.rev} ({rev}) ...", flush=True)
-        pkg = build_revision(a.rev, work)
+        if a.rev is not None:
+            rev = subprocess.run(["git", "rev-parse", "--short", a.rev], capture_output=True,
+                                 text=True, check=True).stdout.strip()
+            src = export_revision(a.rev, work)
+        else:
+            rev = a.label or os.path.abspath(a.src)
+            src = os.path.join(work, "src")
+            shutil.copytree(a.src, src)
+        print(f"[baseline] building {rev} ...", flush=True)
+        pkg = build_tree(src, work, rev)
         out = rename_copy(pkg, a.dest, rev)
     print(f"[baseline] {out} (revision {rev}); time it with {ENV}={a.dest} and the arm `base`")
     return 0
