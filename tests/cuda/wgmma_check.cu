@@ -1,12 +1,13 @@
-// Standalone check of cuda/wgmma.cuh on an sm_90a GPU: D = A B^T by wgmma (m64n64k16 and
-// m64n128k16, K = 128 = two 128-byte swizzled K slabs, A and B from shared memory) against a host
-// reference. The inputs are multiples of 1/4 in [-1, 1], so every product and sum is exact in f32
-// and the check is exact equality: a wrong layout, descriptor or fragment mapping shows as a
-// mismatch. The first K step runs with accumulate = false over a D pre-filled with 12345.
+// Standalone check of cuda/wgmma.cuh on an sm_90a GPU: D = A B by wgmma (m64n64k16 and
+// m64n128k16, K = 128, A and B from shared memory; A K-major, B K-major (stored [N][K]) or
+// MN-major (stored [K][N]), all 128-byte swizzled) against a host reference. The inputs are
+// multiples of 1/4 in [-1, 1], so every product and sum is exact in f32 and the check is exact
+// equality: a wrong layout, descriptor or fragment mapping shows as a mismatch. The first K step
+// runs with accumulate = false over a D pre-filled with 12345; D's memory starts as NaN.
 // Build and run (tests/test_wgmma.py does both), from the repository root:
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda tests/cuda/wgmma_check.cu -o x
 //   ./x
-// Exit status 0 when both shapes match.
+// Exit status 0 when all four cases (N = 64, 128; B K-major, MN-major) match.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -19,15 +20,18 @@ namespace jcg = jax_cake_gdn;
 
 constexpr int kM = 64, kK = 128, kSlab = 64;
 
-template <int N>
+// A: [kM][kK] row-major; B: Bt[n][k] = B[k][n], given as [N][kK] row-major either way (the kernel
+// lays it out K-major or MN-major in shared memory).
+template <int N, bool kMnB>
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A,
-                                                          const __nv_bfloat16* B, float* D) {
+                                                          const __nv_bfloat16* Bt, float* D) {
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte aligned slabs (the swizzle acts on address bits)
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   unsigned char* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
   unsigned char* sA = smem;                     // kK / kSlab slabs of kM x 128 bytes
-  unsigned char* sB = smem + kM * kK * 2;       // kK / kSlab slabs of N x 128 bytes
+  unsigned char* sB = smem + kM * kK * 2;  // K-major: kK / 64 slabs of N x 128 bytes;
+                                           // MN-major: N / 64 slabs of kK x 128 bytes
   const int tid = threadIdx.x;
   for (int i = tid; i < kM * kK; i += 128) {
     const int r = i / kK, k = i % kK;
@@ -35,9 +39,10 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
     *reinterpret_cast<__nv_bfloat16*>(p) = A[i];
   }
   for (int i = tid; i < N * kK; i += 128) {
-    const int r = i / kK, k = i % kK;
-    unsigned char* p = sB + (k / kSlab) * N * 128 + jcg::sw128_offset(r, k % kSlab);
-    *reinterpret_cast<__nv_bfloat16*>(p) = B[i];
+    const int n = i / kK, k = i % kK;
+    unsigned char* p = kMnB ? sB + (n / 64) * kK * 128 + jcg::sw128_offset(k, n % 64)
+                            : sB + (k / kSlab) * N * 128 + jcg::sw128_offset(n, k % kSlab);
+    *reinterpret_cast<__nv_bfloat16*>(p) = Bt[i];
   }
   jcg::fence_proxy_async();
   __syncthreads();
@@ -51,11 +56,12 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
   for (int ks = 0; ks < kK / 16; ++ks) {
     const int slab = ks / (kSlab / 16), kk = ks % (kSlab / 16);
     const uint64_t da = jcg::sw128_desc(sA + slab * kM * 128 + 32 * kk);
-    const uint64_t db = jcg::sw128_desc(sB + slab * N * 128 + 32 * kk);
+    const uint64_t db = kMnB ? jcg::sw128_desc(sB + 2048 * ks, kK * 128)
+                             : jcg::sw128_desc(sB + slab * N * 128 + 32 * kk);
     if constexpr (N == 64) {
-      jcg::wgmma_m64n64k16_ss(d, da, db, ks > 0);
+      jcg::wgmma_m64n64k16_ss<kMnB>(d, da, db, ks > 0);
     } else {
-      jcg::wgmma_m64n128k16_ss(d, da, db, ks > 0);
+      jcg::wgmma_m64n128k16_ss<kMnB>(d, da, db, ks > 0);
     }
   }
   jcg::wgmma_commit();
@@ -77,7 +83,7 @@ static uint32_t lcg(uint32_t& s) {
   return s >> 8;
 }
 
-template <int N>
+template <int N, bool kMnB>
 static bool check(uint32_t seed) {
   std::vector<__nv_bfloat16> a(kM * kK), b(N * kK);
   std::vector<float> af(a.size()), bf(b.size());
@@ -99,9 +105,9 @@ static bool check(uint32_t seed) {
   cudaMemcpy(dB, b.data(), b.size() * 2, cudaMemcpyHostToDevice);
   cudaMemset(dD, 0xFF, kM * N * sizeof(float));  // NaN: every element must be written
   const size_t smem = (kM + N) * kK * 2 + 1024;
-  cudaFuncSetAttribute(wgmma_check_kernel<N>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  cudaFuncSetAttribute(wgmma_check_kernel<N, kMnB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        static_cast<int>(smem));
-  wgmma_check_kernel<N><<<1, 128, smem>>>(dA, dB, dD);
+  wgmma_check_kernel<N, kMnB><<<1, 128, smem>>>(dA, dB, dD);
   const cudaError_t err = cudaDeviceSynchronize();
   std::vector<float> d(kM * N);
   cudaMemcpy(d.data(), dD, d.size() * sizeof(float), cudaMemcpyDeviceToHost);
@@ -109,7 +115,8 @@ static bool check(uint32_t seed) {
   cudaFree(dB);
   cudaFree(dD);
   if (err != cudaSuccess) {
-    std::printf("wgmma m64n%dk16: CUDA error %s\n", N, cudaGetErrorString(err));
+    std::printf("wgmma m64n%dk16 (B %s): CUDA error %s\n", N, kMnB ? "MN-major" : "K-major",
+                cudaGetErrorString(err));
     return false;
   }
   int bad = 0;
@@ -123,8 +130,8 @@ static bool check(uint32_t seed) {
         ++bad;
       }
     }
-  std::printf("wgmma m64n%dk16 (K = %d, two swizzled slabs): %d of %d elements differ%s\n", N, kK,
-              bad, kM * N, bad ? " FAILED" : ", OK");
+  std::printf("wgmma m64n%dk16 (K = %d, B %s): %d of %d elements differ%s\n", N, kK,
+              kMnB ? "MN-major" : "K-major", bad, kM * N, bad ? " FAILED" : ", OK");
   return bad == 0;
 }
 
@@ -139,6 +146,7 @@ int main() {
     std::printf("needs an sm_90 GPU, found compute capability %d.x\n", major);
     return 2;
   }
-  const bool ok64 = check<64>(1u), ok128 = check<128>(2u);
-  return ok64 && ok128 ? 0 : 1;
+  const bool ok[4] = {check<64, false>(1u), check<128, false>(2u), check<64, true>(3u),
+                      check<128, true>(4u)};
+  return ok[0] && ok[1] && ok[2] && ok[3] ? 0 : 1;
 }
