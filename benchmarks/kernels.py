@@ -1,6 +1,6 @@
 """Per-primitive times of one backend on a workload: where the time of gdn's fwd and bwd goes.
 
-    python -m benchmarks.kernels --workload B23 [--backend cuda] [--calls 20] [--out DIR]
+    python -m benchmarks.kernels --workload B23 [--backend cuda] [--calls 20] [--out DIR] [--base]
 
 Each primitive runs as its own jitted call on inputs precomputed by the same backend (the
 intermediates of one light forward and one full backward), median of `--calls` calls after two
@@ -8,6 +8,10 @@ warm-up calls, each call synchronised (block_until_ready). The times therefore i
 dispatch each (tens of microseconds) and no L2 flush; they are for finding where the time goes,
 not for comparing with peers (benchmarks/run.py does that). The last rows time the whole
 forward (light, full) and fwd+bwd the same way, for the sum check.
+
+--base also times the baseline copy of benchmarks/baseline.py ($JCG_BASELINE) in the same
+process: each row then runs current, baseline, baseline, current (median of each pair) and
+reports both and their ratio.
 """
 
 from __future__ import annotations
@@ -34,13 +38,18 @@ def _median_ms(fn, *args, calls):
     return float(np.median(ts) * 1e3)
 
 
-def primitive_calls(wl, backend: str):
-    """[(name, jitted fn, args)] for every primitive of one gdn fwd + bwd on `wl`'s inputs."""
+def primitive_calls(wl, backend: str, lib=None):
+    """[(name, jitted fn, args)] for every primitive of one gdn fwd + bwd on `wl`'s inputs, of
+    the library `lib` (default jax_cake_gdn)."""
+    import importlib
+
     import jax
     import jax.numpy as jnp
 
-    from jax_cake_gdn import primitives
-    from jax_cake_gdn.chunks import chunk_table
+    if lib is None:
+        import jax_cake_gdn as lib
+    primitives = importlib.import_module(lib.__name__ + ".primitives")
+    chunk_table = importlib.import_module(lib.__name__ + ".chunks").chunk_table
 
     if wl.layer:
         raise ValueError("per-primitive times are for the gdn workloads (no -layer)")
@@ -92,7 +101,7 @@ def primitive_calls(wl, backend: str):
     return calls
 
 
-def whole_op_calls(wl, backend: str):
+def whole_op_calls(wl, backend: str, lib=None):
     """[(name, fn, args)] for gdn fwd (light, full) and fwd+bwd (light, full) on `wl`."""
     from .arms import _jax_inputs, build_jax_op
 
@@ -101,7 +110,7 @@ def whole_op_calls(wl, backend: str):
     rows = []
     for op in ("fwd", "fwd+bwd"):
         for mode in ("light", "full"):
-            fn, names = build_jax_op(wl, op, backend=backend, save_mode=mode)
+            fn, names = build_jax_op(wl, op, backend=backend, save_mode=mode, lib=lib)
             rows.append((f"gdn {op} {mode}", fn,
                          (tuple(dev[n] for n in names), dev["do"], dev["cu_seqlens"])))
     return rows
@@ -111,10 +120,13 @@ def main(argv=None):
     from . import workloads
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", default="B23", choices=[n for n in workloads.names() if not n.endswith("-layer")])
+    ap.add_argument("--workload", default="B23",
+                    choices=[n for n in workloads.names() if not n.endswith("-layer")])
     ap.add_argument("--backend", default="cuda", choices=("cuda", "xla"))
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", default=None, help="directory for kernels_<workload>_<backend>.json")
+    ap.add_argument("--base", action="store_true",
+                    help="also time the baseline copy ($JCG_BASELINE, benchmarks/baseline.py)")
     args = ap.parse_args(argv)
     if args.calls < 1:
         ap.error("--calls must be >= 1")
@@ -122,13 +134,30 @@ def main(argv=None):
     import jax
 
     wl = workloads.get(args.workload)
-    rows = {}
+    rows, base_rows, base_rev = {}, {}, None
     print(f"[kernels] {wl.name} backend={args.backend} device={jax.devices()[0]}", flush=True)
-    for name, fn, a in primitive_calls(wl, args.backend) + whole_op_calls(wl, args.backend):
-        rows[name] = _median_ms(fn, *a, calls=args.calls)
-        print(f"  {name:32s} {rows[name]:9.3f} ms", flush=True)
+    cur = primitive_calls(wl, args.backend) + whole_op_calls(wl, args.backend)
+    if args.base:
+        from . import baseline
+
+        lib, base_rev = baseline.load()
+        base = primitive_calls(wl, args.backend, lib) + whole_op_calls(wl, args.backend, lib)
+        print(f"[kernels] baseline {baseline.BASE} (revision {base_rev}): current, baseline, "
+              f"baseline, current per row", flush=True)
+        for (name, fn, a), (_, fb, ab) in zip(cur, base):
+            t = [_median_ms(fn, *a, calls=args.calls), _median_ms(fb, *ab, calls=args.calls),
+                 _median_ms(fb, *ab, calls=args.calls), _median_ms(fn, *a, calls=args.calls)]
+            rows[name], base_rows[name] = (t[0] + t[3]) / 2, (t[1] + t[2]) / 2
+            print(f"  {name:32s} {rows[name]:9.3f} ms  base {base_rows[name]:9.3f} ms  "
+                  f"base/current {base_rows[name] / rows[name]:5.2f}", flush=True)
+    else:
+        for name, fn, a in cur:
+            rows[name] = _median_ms(fn, *a, calls=args.calls)
+            print(f"  {name:32s} {rows[name]:9.3f} ms", flush=True)
     res = dict(workload=wl.describe(), backend=args.backend, device=str(jax.devices()[0]),
                calls=args.calls, median_ms=rows)
+    if args.base:
+        res.update(base_revision=base_rev, base_median_ms=base_rows)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"kernels_{wl.name}_{args.backend}.json")

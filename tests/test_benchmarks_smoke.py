@@ -156,6 +156,14 @@ def test_baseline_copy_loads_next_to_the_library(tmp_path, monkeypatch):
         assert "jcg_base_walk_output" in texts["base"], texts["base"][-2000:]
         assert "jax_cake_gdn_" not in texts["base"], "base lowered to the library's targets"
         assert "jcg_base_" not in texts["cur"] and "jax_cake_gdn_walk_output" in texts["cur"]
+        # per-primitive A/B in one process (xla primitives here: they run on any host)
+        import os
+        from benchmarks import kernels
+        os.environ[baseline.ENV] = {str(dest)!r}
+        res = kernels.main(["--workload", "tiny", "--backend", "xla", "--calls", "1", "--base"])
+        assert res["base_revision"] == "abc1234"
+        assert set(res["base_median_ms"]) == set(res["median_ms"]), res
+        assert all(t > 0 for t in res["base_median_ms"].values())
         print("OK")
     """))
     monkeypatch.delenv(baseline.ENV, raising=False)
