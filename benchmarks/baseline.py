@@ -35,8 +35,8 @@ REV_FILE = "BASELINE_REVISION"
 # The registration loop of primitives/cuda.py (after the rename), and what it becomes: the
 # extension's targets are named jax_cake_gdn_<op>; the copy's wrappers call jcg_base_<op>.
 _REGISTER = 'jax.ffi.register_ffi_target(name, capsule, platform="CUDA")'
-_REGISTER_RENAMED = ('jax.ffi.register_ffi_target("' + BASE + '_" + name[len("' + PACKAGE +
-                     '_"):], capsule, platform="CUDA")')
+_REGISTER_RENAMED = (f'jax.ffi.register_ffi_target("{BASE}_" + name[len("{PACKAGE}_"):], capsule, '
+                     f'platform="CUDA")')
 
 
 def rename_copy(pkg_dir: str, dest: str, revision: str = "") -> str:

@@ -2,7 +2,7 @@
 //
 //   jax_cake_gdn_output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len; scale)
 //       -> o [T, HV, V] (bf16 or f32, the result type chooses), scores bf16[NC, HV, 64, 64] or
-//          f32[1] (not wanted)
+//          bf16[1] (not wanted)
 //
 // q, k: bf16 or f32 [T, H, K] (same dtype); G f32[T, HV]; h bf16[NC, HV, K, V] (the state walk's
 // tape); v_new bf16[T, HV, V] (the state walk's); rstd_q, rstd_k f32[T, H] or f32[1]. K, V in
@@ -77,8 +77,7 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                      static_cast<Out*>(o->untyped_data()),
                      want_scores ? static_cast<bf16*>(scores->untyped_data())
                                  : static_cast<bf16*>(nullptr),
-                     T,
-                     static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V), scale);
+                     T, static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V), scale);
       });
     });
   });

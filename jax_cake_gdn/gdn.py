@@ -138,7 +138,7 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         `saved_layout`). Both give bitwise-equal gradients. On the cuda backend the
         light forward runs the walk and the output as one kernel (walk_output; the h tape never
         reaches HBM) and is the faster forward; full skips the replay and is the faster fwd+bwd
-        (B23 on an H200: fwd 3.37 vs 4.33 ms, fwd+bwd 12.97 vs 11.54 ms).
+        (B23 on an H200: fwd 3.27 vs 4.16 ms, fwd+bwd 12.68 vs 11.17 ms).
       deterministic: ask for bitwise-reproducible gradients. Every primitive of both backends is
         deterministic today (fixed reduction order; the CUDA kernels use no atomics), so both
         values behave the same: repeated runs with the same shapes on the same device give

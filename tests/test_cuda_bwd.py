@@ -151,7 +151,8 @@ def _abstract_walk(T=300, H=2, HV=6, K=128, V=128, S=5, NC=9, dtype=jnp.bfloat16
     f32, i32 = jnp.float32, jnp.int32
     return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), w=sds((T, HV, K), jnp.bfloat16),
                 G=sds((T, HV), f32), do=sds((T, HV, V), dtype), dfinal=sds((S, HV, K, V), f32),
-                scores=sds((NC, HV, 64, 64), jnp.bfloat16), rq=sds((T, H), f32), rk=sds((T, H), f32),
+                scores=sds((NC, HV, 64, 64), jnp.bfloat16), rq=sds((T, H), f32),
+                rk=sds((T, H), f32),
                 cs=sds((NC,), i32), cl=sds((NC,), i32), sf=sds((S,), i32), sl=sds((S,), i32),
                 sn=sds((S,), i32))
 
@@ -357,7 +358,8 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
         (dict(do=v[:50]), "do must have v's shape"),
         (dict(beta=th[:, :2]), "beta must have shape"),
         (dict(A=jnp.zeros((NC, HV, 64, 32), jnp.bfloat16)), "A must have shape"),
-        (dict(A=jnp.zeros((NC, HV, 64, 64), f32)), "A must be bfloat16 (as the cuda prep returns it)"),
+        (dict(A=jnp.zeros((NC, HV, 64, 64), f32)),
+         "A must be bfloat16 (as the cuda prep returns it)"),
         (dict(h=st[:2]), "h must have shape"),
         (dict(dS_end=st.astype(f32)), "dS_end must be bfloat16"),
         (dict(h=st.astype(f32)), "h must be bfloat16"),

@@ -440,9 +440,10 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
 def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
            out_dtype, with_scores: bool = False):
     """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att bf16[NC, HV, 64, 64] if asked
-    (else None; rounded to nearest: walk_bwd uses it only as a bf16 operand). h bfloat16 [NC, HV, K, V] and v_new bfloat16 [T, HV, V], as `state_walk`
-    returns them (f32 ones, e.g. xla's, must be cast first: `.astype(jnp.bfloat16)` is the
-    rounding the kernel used to apply)."""
+    (else None; rounded to nearest: walk_bwd uses it only as a bf16 operand). h bfloat16
+    [NC, HV, K, V] and v_new bfloat16 [T, HV, V], as `state_walk` returns them (f32 ones, e.g.
+    xla's, must be cast first: `.astype(jnp.bfloat16)` is the rounding the kernel used to
+    apply)."""
     fn = "output"
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
@@ -498,7 +499,8 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
 
     q, k: bf16/f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
     the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64]
-    (the saved Att, as the cuda `output` returns it) or None (recomputed in the kernel); rstd_q, rstd_k f32[T, H] or None.
+    (the saved Att, as the cuda `output` returns it) or None (recomputed in the kernel); rstd_q,
+    rstd_k f32[T, H] or None.
     Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
     from the walk's f32 gradient: `chunk_bwd` uses it only as a bf16 operand; 0 for unused chunks;
     xla.walk_bwd returns it in float32) and dh0 f32[S, HV, K, V] (gradient of each segment's entry
