@@ -1,0 +1,125 @@
+// Hopper warpgroup MMA (wgmma.mma_async, sm_90a) on bf16 operands in shared memory.
+//
+// Operand tiles use the 128-byte swizzle from 1024-byte aligned bases (the swizzle acts on
+// address bits): a slab of rows of 64 elements (128 bytes) stores element (r, c) at byte
+//   sw128_offset(r, c) = 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8)
+// Two layouts:
+//   K-major (A, or B stored [N][K]): rows are M (or N) indices, c the K index; wider K is more
+//     slabs one after the other. A 16-element K step is +32 bytes inside a slab; descriptor
+//     stride byte offset 1024 (8-row groups), leading byte offset unused.
+//   MN-major (B stored [K][N], N contiguous; kMnB): rows are K indices, c the N index; wider N is
+//     more slabs (64 columns each), `slab_bytes` apart. A 16-element K step is +2048 bytes (16
+//     rows); stride byte offset 1024 (8-row K groups), leading byte offset = slab_bytes (the step
+//     between 64-column N blocks, used when N > 64).
+// Descriptor bits (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in [0, 14), leading
+// byte offset >> 4 in [16, 30), stride byte offset >> 4 in [32, 46), base offset [49, 52) (0:
+// aligned tiles), swizzle mode [62, 64) (1: 128-byte).
+//
+// The accumulator of m64nN is the m16n8 C fragment (fwd_common.cuh) tiled over the N / 8 column
+// blocks, warp w of the warpgroup owning rows 16 w..16 w + 15: d[4 j + e] is row
+// 16 w + g + 8 (e / 2), column 8 j + 2 q + (e % 2) (g = lane / 4, q = lane % 4).
+//
+// Protocol: shared-memory writes by ordinary stores must be fenced to the async proxy
+// (fence_proxy_async) and the CTA synchronized before a wgmma reads them; wgmma_fence_operand(D)
+// and wgmma_fence before the first wgmma of a batch (orders earlier register writes of D);
+// wgmma_commit, then wgmma_wait<N> and wgmma_fence_operand(D) before D is read or the operand
+// tiles are overwritten.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_cake_gdn {
+
+// Byte offset of element (r, c) (c < 64) in a 128-byte swizzled slab.
+__host__ __device__ constexpr uint32_t sw128_offset(int r, int c) {
+  return static_cast<uint32_t>(128 * r + 16 * ((c / 8) ^ (r % 8)) + 2 * (c % 8));
+}
+
+// Descriptor of a 128-byte swizzled operand at p (shared memory: a slab base plus the K step's
+// offset, see above); lbo_bytes: the MN-major slab stride (ignored for K-major operands).
+__device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo_bytes = 16) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr >> 4) & 0x3FFF);
+  d |= static_cast<uint64_t>((lbo_bytes >> 4) & 0x3FFF) << 16;  // leading byte offset
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;                  // stride byte offset: 8 rows
+  d |= static_cast<uint64_t>(1) << 62;                          // 128-byte swizzle
+  return d;
+}
+
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Pins the accumulator registers at this point of the program: called before the first wgmma of
+// a batch and after wgmma_wait, so that the compiler neither moves reads of D above the wait nor
+// writes of D below the fence.
+template <int R>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 64] (+)= A[64 x 16] B[16 x 64]: bf16 A (K-major) and B (K-major, or MN-major with
+// kMnB) from shared memory by descriptor, f32 D in registers (the accumulator layout above).
+// accumulate = false overwrites D.
+template <bool kMnB = false>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a,
+                                                   uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, %35;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnB ? 1 : 0));
+}
+
+// D[64 x 128] (+)= A[64 x 16] B[16 x 128]: bf16 A (K-major) and B (K-major, or MN-major with
+// kMnB) from shared memory by descriptor, f32 D in registers (the accumulator layout above).
+// accumulate = false overwrites D.
+template <bool kMnB = false>
+__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a,
+                                                   uint64_t desc_b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, %67;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnB ? 1 : 0));
+}
+
+}  // namespace jax_cake_gdn
