@@ -16,8 +16,10 @@
 // their slabs ([token][key]: K-major for w, MN-major for Kd); k is scaled in place to
 // k rstd e^{G_C - G} before product 2 (each thread its own pieces). u, G, rstd go through staging.
 // Every operand value is the one the mma.sync walk uses (bf16 w, bf16(S), bf16(v_new), bf16 of
-// the scaled k); the f32 accumulation order inside a product differs, so results match it to
-// rounding, not bit for bit.
+// the scaled k; -w S as (-w) S instead of w (-S): the same products) and the k16 steps accumulate
+// in the same order from the same start: on the H200 the h tape, v_new and the final state are
+// bitwise equal to the mma.sync walk's (tests/test_cuda_fwd.py compares walk_output, which runs
+// that walk, with this one + output).
 // Shared memory (K = 128): w 16 KB, Kd 16 KB, Sb 16 KB, Vn 8 KB, u staging 16 KB (f32, 16-byte
 // pieces swizzled), G / rstd 1 KB, + 1 KB for 1024-byte alignment: 74 KB, 3 CTAs per SM.
 #pragma once
@@ -116,9 +118,9 @@ __global__ void __launch_bounds__(kWgThreads, 3)
   const int64_t state_stride = int64_t{K} * V;
 
   float S[K / 64][32];
-  float* fin = final_state + (static_cast<int64_t>(s) * HV + hv) * state_stride + v0;
-  wg_state_rw<K>(S, const_cast<float*>(h0) + (static_cast<int64_t>(s) * HV + hv) * state_stride + v0,
-                 V, false);
+  const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + v0;
+  float* fin = final_state + state0;
+  wg_state_rw<K>(S, const_cast<float*>(h0) + state0, V, false);
 
   const int c_first = seg_first[s], c_last = seg_last[s];
   const bool empty = seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
@@ -284,8 +286,9 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     for (int b = 0; b < K / 64; ++b)
 #pragma unroll
       for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_m64k16_ss<64, true, true, 1>(S[b], sw128_desc(Kd + b * Sm::kSlab + 2048 * ks, Sm::kSlab),
-                                           sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
+        wgmma_m64k16_ss<64, true, true, 1>(
+            S[b], sw128_desc(Kd + b * Sm::kSlab + 2048 * ks, Sm::kSlab),
+            sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
