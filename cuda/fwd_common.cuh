@@ -191,10 +191,10 @@ __device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int6
 }
 
 // In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile times the row
-// scale s(row) (s[row] for a shared-memory array), rounded to bf16 (the values load_tile_bf16
-// gives); rows >= len stay zero.
-template <int Rows, int D, int Threads, typename Scale>
-__device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, Scale s) {
+// scale s[row] (shared memory), rounded to bf16 (the values load_tile_bf16 gives); rows >= len
+// stay zero.
+template <int Rows, int D, int Threads>
+__device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, const float* s) {
   using P = TilePieces<Rows, D, Threads>;
   const int t0 = P::row0(), c = P::col();
 #pragma unroll
@@ -203,11 +203,7 @@ __device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, Scal
     if (t < len) {
       float f[8];
       lds8(dst + t * ld + c, f);
-      if constexpr (std::is_pointer_v<Scale>) {
-        sts8_bf16(dst + t * ld + c, f, s[t]);
-      } else {
-        sts8_bf16(dst + t * ld + c, f, s(t));
-      }
+      sts8_bf16(dst + t * ld + c, f, s[t]);
     }
   }
 }

@@ -16,9 +16,11 @@
 // The light forward's walk: o = output(state_walk(...)) with h and v_new kept on chip. q, k: same
 // shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch: one CTA of V / 16
 // warps per (segment, value head), grid S x HV (segment-major, in the table's segment order); the
-// state walk runs 4-warp CTAs per (segment, value head, 64-column V tile).
+// state walk runs 4-warp CTAs per (segment, value head, 64-column V tile): on wgmma for bf16 k
+// (state_walk_wg.cuh), on mma.sync for f32 k (state_walk.cuh).
 #include "fwd_args.cuh"
 #include "state_walk.cuh"
+#include "state_walk_wg.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_state_walk"
 
@@ -70,19 +72,33 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
     dispatch_head_dim(K, [&](auto kdim) {
       constexpr int KD = decltype(kdim)::value;
       const dim3 grid(static_cast<unsigned>(S * HV * (V / kWalkVT)));
-      err = launch(state_walk_kernel<In, KD>, grid, kWalkThreads, WalkSmem<In, KD>::bytes, stream,
-                   static_cast<const In*>(k.untyped_data()),
-                   static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
-                   h0.typed_data(),
-                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                   chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                   seg_last.typed_data(), seg_len.typed_data(),
-                   static_cast<bf16*>(h->untyped_data()),
-                   static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T,
-                   static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
-                   static_cast<int>(NC),
-                   static_cast<const In*>(nullptr), static_cast<const float*>(nullptr),
-                   static_cast<float*>(nullptr), 1.f);
+      if constexpr (std::is_same_v<In, bf16>) {  // bf16 k: the wgmma walk (state_walk_wg.cuh)
+        err = launch(state_walk_wg_kernel<In, KD>, grid, kWgThreads, WalkWgSmem<KD>::bytes,
+                     stream, static_cast<const In*>(k.untyped_data()),
+                     static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
+                     h0.typed_data(),
+                     has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                     chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
+                     seg_last.typed_data(), seg_len.typed_data(),
+                     static_cast<bf16*>(h->untyped_data()),
+                     static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T,
+                     static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
+                     static_cast<int>(NC));
+      } else {
+        err = launch(state_walk_kernel<In, KD>, grid, kWalkThreads, WalkSmem<In, KD>::bytes, stream,
+                     static_cast<const In*>(k.untyped_data()),
+                     static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
+                     h0.typed_data(),
+                     has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                     chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
+                     seg_last.typed_data(), seg_len.typed_data(),
+                     static_cast<bf16*>(h->untyped_data()),
+                     static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T,
+                     static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
+                     static_cast<int>(NC),
+                     static_cast<const In*>(nullptr), static_cast<const float*>(nullptr),
+                     static_cast<float*>(nullptr), 1.f);
+      }
     });
   });
   JCG_CHECK_CUDA(err);

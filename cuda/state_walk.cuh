@@ -1,8 +1,11 @@
-// The state walk (DESIGN.md section 1): per segment, value head and 64-wide V tile, walk the
-// segment's chunks in order:
+// The state walk (DESIGN.md section 1) on mma.sync: per segment, value head and 64-wide V tile,
+// walk the segment's chunks in order:
 //
 //   h[c] = S;   v_new = u - w S;   S <- e^{G_C} S + (K e^{G_C - G})^T v_new
 //
+// This kernel runs the fused walk_output (kOutput, below) and the state walk of f32 k; the state
+// walk of bf16 k runs on wgmma (state_walk_wg.cuh: the same operands and the same order of k16
+// steps, results bitwise equal to this kernel's on the H200).
 // One CTA of 4 warps per (segment, value head, V tile of 64). The state tile (K x 64, f32) lives
 // in registers as S^T: warp wv owns the 16 value columns 16wv..16wv+15 of the tile, all K rows,
 // as m16n8 accumulator fragments (K / 8 of them). A C fragment of S^T is a B fragment of S, so
@@ -13,9 +16,8 @@
 // shared tile that feeds product 2 (only the warp itself reads them): its readers (output,
 // chunk_bwd) use exactly these bf16 values as operands. w arrives in bf16 (prep rounded it, the
 // value this kernel used to round it to). Loads go by cp.async while the previous chunk computes:
-// w straight into its operand tile Ws once product 1 is done with it; bf16 k (the state walk)
-// straight into Kd at the top of the chunk, scaled in place just before product 2; u, G, rstd
-// (and f32 k, walk_output's k and q) into staging buffers, converted at the top of the chunk.
+// w straight into its operand tile Ws once product 1 is done with it; k, u, G, rstd (and
+// walk_output's q) into staging buffers, converted at the top of the chunk.
 // h goes to global as bf16 (the f32 state rounded to nearest: the value chunk_bwd and output use
 // as an operand), with 16-byte stores through a transpose in this warp's columns of the v_new
 // tile before product 1 writes them (state_store_bf16, fwd_common.cuh; no extra shared memory).
@@ -43,10 +45,8 @@
 // and v_new tile 64 x 128; k and q staging 16 KB each, Q and K tiles 17 KB each, Att 9 KB), 1 CTA
 // = 8 warps per SM. f32 inputs, K = V = 128: 194 KB. K = 64: 199-202 registers, 90-130 KB, 1 CTA.
 // V = 64 (4 warps, 128 threads): K = 128 237 registers, 138 / 170 KB (bf16 / f32), 1 CTA.
-// The state walk itself (4 warps, VT = 64, bf16 h and v_new stores): K = 128 168 registers (f32 k:
-// 210), 62 / 94 KB (bf16 / f32 k): 3 / 2 CTAs per SM (ncu at B23: 3, so its 384 CTAs run as one
-// wave and the longest document's chain sets the time); K = 64 166 registers, 46 / 62 KB, 3 CTAs.
-// No spills.
+// The state walk itself (f32 k; 4 warps, VT = 64, bf16 h and v_new stores): K = 128 210
+// registers, 94 KB, 2 CTAs per SM; K = 64 167 registers, 62 KB. No spills.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -64,21 +64,13 @@ constexpr int walk_threads() {
   return 2 * VT;
 }
 
-// k goes by cp.async straight into the Kd tile and is scaled there (the state walk with bf16 k);
-// otherwise (f32 k, or walk_output, which also needs k without the decay) through a staging tile.
-template <typename In, bool kOutput>
-constexpr bool walk_k_in_place() {
-  return !kOutput && std::is_same_v<In, bf16>;
-}
-
 template <typename In, int K, bool kOutput = false, int VT = kWalkVT>
 struct WalkSmem {
   static constexpr int KP = K + 8;         // bf16 pitch of Ws, Kd
   static constexpr int UP = VT + 8;        // f32 pitch of the u staging
   static constexpr int NP = VT + 8;        // bf16 pitch of the v_new tile
   static constexpr int AP = kChunk + 8;    // bf16 pitch of the Att tile (kOutput)
-  static constexpr size_t kStK =
-      walk_k_in_place<In, kOutput>() ? 0 : size_t{kChunk} * K * sizeof(In);
+  static constexpr size_t kStK = size_t{kChunk} * K * sizeof(In);
   static constexpr size_t kStU = size_t{kChunk} * UP * sizeof(float);
   static constexpr size_t kStG = 2 * 2 * kChunk * sizeof(float);  // G, rstd; two chunks
   static constexpr size_t kWs = size_t{kChunk} * KP * sizeof(bf16);
@@ -107,10 +99,9 @@ struct WalkSmem {
 // kOutput = false: qin (the q input), rstd_q and o are unused (nullptr); VT = kWalkVT.
 // kOutput = true: h and v_new are unused (nullptr); o [T, HV, V] in Out; VT = V (one CTA per
 // (segment, value head)).
-// The in-place state walk fits 3 CTAs per SM at K = 128 (62 KB of shared memory, <= 170
-// registers); the bound keeps ptxas there.
+// The state walk of bf16 k runs on wgmma (state_walk_wg.cuh); this one takes f32 k.
 template <typename In, int K, bool kOutput = false, typename Out = float, int VT = kWalkVT>
-__global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutput>() ? 3 : 1)
+__global__ void __launch_bounds__(walk_threads<VT>(), 1)
     state_walk_kernel(const In* __restrict__ k, const bf16* __restrict__ w,
                       const float* __restrict__ u, const float* __restrict__ G,
                       const float* __restrict__ h0, const float* __restrict__ rstd,  // nullable
@@ -123,13 +114,13 @@ __global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutpu
                       Out* __restrict__ o, float scale) {
   static_assert(kOutput || VT == kWalkVT, "the state walk runs 64-column tiles");
   static_assert(VT == 64 || VT == 128, "4 or 8 warps");
+  static_assert(kOutput || std::is_same_v<In, float>, "bf16 k: state_walk_wg_kernel");
   using Sm = WalkSmem<In, K, kOutput, VT>;
   constexpr int KP = Sm::KP, UP = Sm::UP, NP = Sm::NP, AP = Sm::AP;
   constexpr int KS = K / 16;
   constexpr int kThreads = walk_threads<VT>();
-  constexpr bool kInPlace = walk_k_in_place<In, kOutput>();
   extern __shared__ __align__(16) unsigned char smem[];
-  In* stK = reinterpret_cast<In*>(smem + Sm::oStK);  // unused when kInPlace
+  In* stK = reinterpret_cast<In*>(smem + Sm::oStK);
   float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
   float* stG0 = reinterpret_cast<float*>(smem + Sm::oStG);  // chunk c: G at stG0 + (c & 1) * 128,
                                                             // rstd 64 after it
@@ -169,10 +160,9 @@ __global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutpu
     return;
   }
 
-  // cp.async issue for chunk c (rows beyond its length zero; the caller commits). The loads land
-  // where the step reads them: w straight into Ws; k (kInPlace) straight into Kd; u, G, rstd (and
-  // k, q, rstd_q when staged) into staging. (Issue loops rolled: unrolled, they cost the 4-warp
-  // walk registers.)
+  // cp.async issue for chunk c (rows beyond its length zero; the caller commits): w straight into
+  // Ws; k, u, G, rstd (and q, rstd_q) into staging. (Issue loops rolled: unrolled, they cost the
+  // 4-warp walk registers.)
   auto prefetch_w = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     cp_async_tile<kChunk, K, kThreads, false>(Ws, KP, w + (cs.start * HV + hv) * K,
@@ -180,15 +170,14 @@ __global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutpu
   };
   auto prefetch_k = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    cp_async_tile<kChunk, K, kThreads, false>(kInPlace ? reinterpret_cast<In*>(Kd) : stK,
-                                              kInPlace ? KP : K, k + (cs.start * H + hk) * K,
+    cp_async_tile<kChunk, K, kThreads, false>(stK, K, k + (cs.start * H + hk) * K,
                                               int64_t{H} * K, cs.len);
   };
   auto prefetch_rows = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     float* stG = stG0 + (c & 1) * 2 * kChunk;
     float* stR = stG + kChunk;
-    if constexpr (!kInPlace) prefetch_k(c);
+    prefetch_k(c);
     if constexpr (kOutput) {
       cp_async_tile<kChunk, K, kThreads, false>(stQ, K, qin + (cs.start * H + hk) * K,
                                                 int64_t{H} * K, cs.len);
@@ -209,12 +198,10 @@ __global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutpu
     }
   };
 
-  // Per chunk c, commit groups in issue order (every thread commits each one, empty or not):
-  //   kInPlace:  k(c) at the top;  rows + w of c + 1 after product 1;  wait for k(c) before
-  //              product 2 with rows + w of c + 1 still in flight
-  //   otherwise: (kOutput) rows of c + 1 once the staging is read;  w (+ rows, not kOutput) of
-  //              c + 1 after product 1;  the top waits for everything
-  // so a tile is overwritten only after the barrier that follows its last reader.
+  // Per chunk c, commit groups (every thread commits each one, empty or not): (kOutput) the rows
+  // of c + 1 once the staging is read; w (+ the rows, not kOutput) of c + 1 after product 1; the
+  // top waits for everything. A tile is overwritten only after the barrier that follows its last
+  // reader.
   prefetch_rows(c_first);
   prefetch_w(c_first);
   cp_async_commit();
@@ -224,11 +211,7 @@ __global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutpu
     const float* stG = stG0 + (c & 1) * 2 * kChunk;
     const float* stR = stG + kChunk;
     cp_async_wait_all();
-    __syncthreads();  // chunk c's w, u, G, rstd have landed; every warp is done with chunk c - 1
-    if constexpr (kInPlace) {
-      prefetch_k(c);
-      cp_async_commit();
-    }
+    __syncthreads();  // chunk c's w, k, u, G, rstd have landed; every warp is done with c - 1
 
     const float GC = len > 0 ? stG[len - 1] : 0.f;
     const float eGC = __expf(GC);
@@ -238,7 +221,7 @@ __global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutpu
       return t < len ? r * __expf(GC - stG[t]) : 0.f;
     };
     // staged k (and q) -> bf16 operand tiles
-    if constexpr (!kInPlace) {
+    {
       using P = TilePieces<kChunk, K, kThreads>;
       const int t0 = P::row0(), c8 = P::col();
 #pragma unroll 4
@@ -385,11 +368,6 @@ __global__ void __launch_bounds__(walk_threads<VT>(), walk_k_in_place<In, kOutpu
       }
     }
 
-    if constexpr (kInPlace) {  // k(c) has landed in Kd: scale it (each thread its own pieces)
-      cp_async_wait<1>();
-      scale_tile_bf16<kChunk, K, kThreads>(Kd, KP, len, kd_scale);
-      __syncthreads();
-    }
     // product 2: S^T = e^{G_C} S^T + v_new^T Kd
 #pragma unroll
     for (int nt = 0; nt < K / 8; ++nt)

@@ -7,10 +7,11 @@
 //   K-major (A, or B stored [N][K]): rows are M (or N) indices, c the K index; wider K is more
 //     slabs one after the other. A 16-element K step is +32 bytes inside a slab; descriptor
 //     stride byte offset 1024 (8-row groups), leading byte offset unused.
-//   MN-major (B stored [K][N], N contiguous; kMnB): rows are K indices, c the N index; wider N is
-//     more slabs (64 columns each), `slab_bytes` apart. A 16-element K step is +2048 bytes (16
-//     rows); stride byte offset 1024 (8-row K groups), leading byte offset = slab_bytes (the step
-//     between 64-column N blocks, used when N > 64).
+//   MN-major (B stored [K][N], N contiguous: kMnB; A stored [K][M], M contiguous: kMnA): rows
+//     are K indices, c the N (M) index; wider N is more slabs (64 columns each), `slab_bytes`
+//     apart. A 16-element K step is +2048 bytes (16 rows); stride byte offset 1024 (8-row K
+//     groups), leading byte offset = slab_bytes (the step between 64-column N blocks, used when
+//     N > 64; A has M = 64, one slab).
 // Descriptor bits (PTX ISA, "Matrix Descriptor Format"): start address >> 4 in [0, 14), leading
 // byte offset >> 4 in [16, 30), stride byte offset >> 4 in [32, 46), base offset [49, 52) (0:
 // aligned tiles), swizzle mode [62, 64) (1: 128-byte).
@@ -73,53 +74,55 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// D[64 x 64] (+)= A[64 x 16] B[16 x 64]: bf16 A (K-major) and B (K-major, or MN-major with
-// kMnB) from shared memory by descriptor, f32 D in registers (the accumulator layout above).
-// accumulate = false overwrites D.
-template <bool kMnB = false>
-__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t desc_a,
-                                                   uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "%32, %33, p, 1, 1, 0, %35;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnB ? 1 : 0));
+#define JCG_WGMMA_D32                                                                        \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),         \
+      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),         \
+      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define JCG_WGMMA_D64_HI                                                                     \
+  "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),             \
+      "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),         \
+      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),         \
+      "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),         \
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),         \
+      "+f"(d[62]), "+f"(d[63])
+
+// D[64 x N] (+)= kScaleA A[64 x 16] B[16 x N], N in {64, 128}: bf16 A and B from shared memory by
+// descriptor (K-major, or MN-major with kMnA / kMnB: A stored [K][M], M contiguous, with the same
+// slab layout as an MN-major B), f32 D in registers (the accumulator layout above). kScaleA = -1
+// negates A (exact). accumulate = false overwrites D.
+template <int N, bool kMnA, bool kMnB, int kScaleA>
+__device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
+                                                bool accumulate) {
+  static_assert(N == 64 || N == 128, "N = 64 or 128");
+  static_assert(kScaleA == 1 || kScaleA == -1, "scale of A: 1 or -1");
+  if constexpr (N == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "%32, %33, p, %35, 1, %36, %37;\n}\n"
+        : JCG_WGMMA_D32
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kScaleA),
+          "n"(kMnA ? 1 : 0), "n"(kMnB ? 1 : 0));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, %67, 1, %68, %69;\n}\n"
+        : JCG_WGMMA_D32, JCG_WGMMA_D64_HI
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kScaleA),
+          "n"(kMnA ? 1 : 0), "n"(kMnB ? 1 : 0));
+  }
 }
 
-// D[64 x 128] (+)= A[64 x 16] B[16 x 128]: bf16 A (K-major) and B (K-major, or MN-major with
-// kMnB) from shared memory by descriptor, f32 D in registers (the accumulator layout above).
-// accumulate = false overwrites D.
-template <bool kMnB = false>
-__device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], uint64_t desc_a,
-                                                   uint64_t desc_b, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-      "%64, %65, p, 1, 1, 0, %67;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-        "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-        "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-        "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
-        "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
-        "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
-        "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kMnB ? 1 : 0));
-}
+#undef JCG_WGMMA_D32
+#undef JCG_WGMMA_D64_HI
 
 }  // namespace jax_cake_gdn

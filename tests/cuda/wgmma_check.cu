@@ -1,13 +1,15 @@
-// Standalone check of cuda/wgmma.cuh on an sm_90a GPU: D = A B by wgmma (m64n64k16 and
-// m64n128k16, K = 128, A and B from shared memory; A K-major, B K-major (stored [N][K]) or
-// MN-major (stored [K][N]), all 128-byte swizzled) against a host reference. The inputs are
-// multiples of 1/4 in [-1, 1], so every product and sum is exact in f32 and the check is exact
-// equality: a wrong layout, descriptor or fragment mapping shows as a mismatch. The first K step
-// runs with accumulate = false over a D pre-filled with 12345; D's memory starts as NaN.
+// Standalone check of cuda/wgmma.cuh on an sm_90a GPU: D = C + s A B by wgmma (m64n64k16 and
+// m64n128k16, K = 128, A and B from shared memory; A K-major (stored [M][K]) or MN-major (stored
+// [K][M]), B K-major (stored [N][K]) or MN-major (stored [K][N]), all 128-byte swizzled; s = 1 or
+// -1) against a host reference. The inputs are multiples of 1/4 in [-1, 1], so every product and
+// sum is exact in f32 and the check is exact equality: a wrong layout, descriptor, sign or
+// fragment mapping shows as a mismatch. Without C the first K step runs with accumulate = false
+// over a D pre-filled with 12345; with C, D starts as C and every step accumulates. D's memory
+// starts as NaN.
 // Build and run (tests/test_wgmma.py does both), from the repository root:
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda tests/cuda/wgmma_check.cu -o x
 //   ./x
-// Exit status 0 when all four cases (N = 64, 128; B K-major, MN-major) match.
+// Exit status 0 when all seven cases match.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -21,21 +23,24 @@ namespace jcg = jax_cake_gdn;
 constexpr int kM = 64, kK = 128, kSlab = 64;
 
 // A: [kM][kK] row-major; B: Bt[n][k] = B[k][n], given as [N][kK] row-major either way (the kernel
-// lays it out K-major or MN-major in shared memory).
-template <int N, bool kMnB>
+// lays them out K-major or MN-major in shared memory); C: [kM][N] (kC).
+template <int N, bool kMnA, bool kMnB, int kScaleA, bool kC>
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A,
-                                                          const __nv_bfloat16* Bt, float* D) {
+                                                          const __nv_bfloat16* Bt, const float* C,
+                                                          float* D) {
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte aligned slabs (the swizzle acts on address bits)
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   unsigned char* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
-  unsigned char* sA = smem;                     // kK / kSlab slabs of kM x 128 bytes
+  unsigned char* sA = smem;  // K-major: kK / kSlab slabs of kM x 128 bytes; MN-major: one slab
+                             // of kK x 128 bytes
   unsigned char* sB = smem + kM * kK * 2;  // K-major: kK / 64 slabs of N x 128 bytes;
                                            // MN-major: N / 64 slabs of kK x 128 bytes
   const int tid = threadIdx.x;
   for (int i = tid; i < kM * kK; i += 128) {
     const int r = i / kK, k = i % kK;
-    unsigned char* p = sA + (k / kSlab) * kM * 128 + jcg::sw128_offset(r, k % kSlab);
+    unsigned char* p = kMnA ? sA + jcg::sw128_offset(k, r)
+                            : sA + (k / kSlab) * kM * 128 + jcg::sw128_offset(r, k % kSlab);
     *reinterpret_cast<__nv_bfloat16*>(p) = A[i];
   }
   for (int i = tid; i < N * kK; i += 128) {
@@ -47,28 +52,30 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
   jcg::fence_proxy_async();
   __syncthreads();
 
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   float d[N / 2];
 #pragma unroll
-  for (int i = 0; i < N / 2; ++i) d[i] = 12345.f;
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q + (e % 2);
+      d[4 * j + e] = kC ? C[row * N + col] : 12345.f;
+    }
   jcg::wgmma_fence_operand(d);
   jcg::wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kK / 16; ++ks) {
     const int slab = ks / (kSlab / 16), kk = ks % (kSlab / 16);
-    const uint64_t da = jcg::sw128_desc(sA + slab * kM * 128 + 32 * kk);
+    const uint64_t da = kMnA ? jcg::sw128_desc(sA + 2048 * ks, kK * 128)
+                             : jcg::sw128_desc(sA + slab * kM * 128 + 32 * kk);
     const uint64_t db = kMnB ? jcg::sw128_desc(sB + 2048 * ks, kK * 128)
                              : jcg::sw128_desc(sB + slab * N * 128 + 32 * kk);
-    if constexpr (N == 64) {
-      jcg::wgmma_m64n64k16_ss<kMnB>(d, da, db, ks > 0);
-    } else {
-      jcg::wgmma_m64n128k16_ss<kMnB>(d, da, db, ks > 0);
-    }
+    jcg::wgmma_m64k16_ss<N, kMnA, kMnB, kScaleA>(d, da, db, kC || ks > 0);
   }
   jcg::wgmma_commit();
   jcg::wgmma_wait<0>();
   jcg::wgmma_fence_operand(d);
 
-  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -83,10 +90,10 @@ static uint32_t lcg(uint32_t& s) {
   return s >> 8;
 }
 
-template <int N, bool kMnB>
+template <int N, bool kMnA, bool kMnB, int kScaleA, bool kC>
 static bool check(uint32_t seed) {
   std::vector<__nv_bfloat16> a(kM * kK), b(N * kK);
-  std::vector<float> af(a.size()), bf(b.size());
+  std::vector<float> af(a.size()), bf(b.size()), c(kM * N, 0.f);
   uint32_t s = seed;
   for (size_t i = 0; i < a.size(); ++i) {
     af[i] = static_cast<float>(static_cast<int>(lcg(s) % 9) - 4) / 4.f;
@@ -96,27 +103,36 @@ static bool check(uint32_t seed) {
     bf[i] = static_cast<float>(static_cast<int>(lcg(s) % 9) - 4) / 4.f;
     b[i] = __float2bfloat16(bf[i]);
   }
+  if (kC)
+    for (float& x : c) x = static_cast<float>(static_cast<int>(lcg(s) % 33) - 16) / 4.f;
   __nv_bfloat16 *dA, *dB;
-  float* dD;
+  float *dC, *dD;
   cudaMalloc(&dA, a.size() * 2);
   cudaMalloc(&dB, b.size() * 2);
+  cudaMalloc(&dC, kM * N * sizeof(float));
   cudaMalloc(&dD, kM * N * sizeof(float));
+  cudaMemcpy(dC, c.data(), c.size() * sizeof(float), cudaMemcpyHostToDevice);
   cudaMemcpy(dA, a.data(), a.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dB, b.data(), b.size() * 2, cudaMemcpyHostToDevice);
   cudaMemset(dD, 0xFF, kM * N * sizeof(float));  // NaN: every element must be written
   const size_t smem = (kM + N) * kK * 2 + 1024;
-  cudaFuncSetAttribute(wgmma_check_kernel<N, kMnB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  auto kernel = wgmma_check_kernel<N, kMnA, kMnB, kScaleA, kC>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        static_cast<int>(smem));
-  wgmma_check_kernel<N, kMnB><<<1, 128, smem>>>(dA, dB, dD);
+  kernel<<<1, 128, smem>>>(dA, dB, dC, dD);
   const cudaError_t err = cudaDeviceSynchronize();
   std::vector<float> d(kM * N);
   cudaMemcpy(d.data(), dD, d.size() * sizeof(float), cudaMemcpyDeviceToHost);
   cudaFree(dA);
   cudaFree(dB);
+  cudaFree(dC);
   cudaFree(dD);
+  char name[128];
+  std::snprintf(name, sizeof(name), "wgmma m64n%dk16 (K = %d, A %s, B %s, %sA B%s)", N, kK,
+                kMnA ? "MN-major" : "K-major", kMnB ? "MN-major" : "K-major",
+                kScaleA < 0 ? "-" : "", kC ? " + C" : "");
   if (err != cudaSuccess) {
-    std::printf("wgmma m64n%dk16 (B %s): CUDA error %s\n", N, kMnB ? "MN-major" : "K-major",
-                cudaGetErrorString(err));
+    std::printf("%s: CUDA error %s\n", name, cudaGetErrorString(err));
     return false;
   }
   int bad = 0;
@@ -124,14 +140,15 @@ static bool check(uint32_t seed) {
     for (int n = 0; n < N; ++n) {
       float ref = 0.f;
       for (int k = 0; k < kK; ++k) ref += af[m * kK + k] * bf[n * kK + k];
+      ref = c[m * N + n] + kScaleA * ref;
       const float got = d[m * N + n];
       if (!(got == ref)) {
         if (bad < 4) std::printf("  D[%d][%d] = %g, reference %g\n", m, n, got, ref);
         ++bad;
       }
     }
-  std::printf("wgmma m64n%dk16 (K = %d, B %s): %d of %d elements differ%s\n", N, kK,
-              kMnB ? "MN-major" : "K-major", bad, kM * N, bad ? " FAILED" : ", OK");
+  std::printf("%s: %d of %d elements differ%s\n", name, bad, kM * N,
+              bad ? " FAILED" : ", OK");
   return bad == 0;
 }
 
@@ -146,7 +163,15 @@ int main() {
     std::printf("needs an sm_90 GPU, found compute capability %d.x\n", major);
     return 2;
   }
-  const bool ok[4] = {check<64, false>(1u), check<128, false>(2u), check<64, true>(3u),
-                      check<128, true>(4u)};
-  return ok[0] && ok[1] && ok[2] && ok[3] ? 0 : 1;
+  // <N, A MN-major, B MN-major, sign of A, + C>: the four plain products, then the state walk's
+  // two (u - W S: A K-major, B MN-major, -A, + C; S + Kd^T v_new: both MN-major, + C) and A
+  // MN-major with a K-major B at N = 128
+  const bool ok[7] = {
+      check<64, false, false, 1, false>(1u), check<128, false, false, 1, false>(2u),
+      check<64, false, true, 1, false>(3u),  check<128, false, true, 1, false>(4u),
+      check<64, false, true, -1, true>(5u),  check<64, true, true, 1, true>(6u),
+      check<128, true, false, -1, false>(7u)};
+  bool all = true;
+  for (bool x : ok) all = all && x;
+  return all ? 0 : 1;
 }

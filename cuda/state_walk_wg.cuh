@@ -1,0 +1,308 @@
+// The state walk (DESIGN.md section 1) on Hopper warpgroup MMA: per segment, value head and
+// 64-wide V tile, walk the segment's chunks in order:
+//
+//   h[c] = S;   v_new = u - w S;   S <- e^{G_C} S + (K e^{G_C - G})^T v_new
+//
+// One CTA = one warpgroup (4 warps) per (segment, value head, V tile of 64), the grid of the
+// mma.sync walk (state_walk.cuh), bf16 k only (f32 k runs that walk). The K x 64 f32 state lives
+// in registers as K / 64 wgmma accumulators of 64 x 64 (rows: key index k, columns: value
+// column v; warp w holds rows 16 w.. of each, wgmma.cuh). Per chunk:
+//   Sb = bf16(S)                       (shared, MN-major B; also the h tape, copied out with
+//                                       16-byte stores while product 1 runs)
+//   product 1: v_new = u - Ws Sb       (m64n64, K / 16 steps; A = w, K-major; D starts as u)
+//   Vn = bf16(v_new)                   (shared, MN-major B; v_new to global)
+//   product 2: S = e^{G_C} S + Kd^T Vn (per 64-row block of S: m64n64, 4 steps; A = Kd MN-major)
+// Operand tiles are 128-byte swizzled slabs (wgmma.cuh): w and k land by cp.async straight into
+// their slabs ([token][key]: K-major for w, MN-major for Kd); k is scaled in place to
+// k rstd e^{G_C - G} before product 2 (each thread its own pieces). u, G, rstd go through staging.
+// Every operand value is the one the mma.sync walk uses (bf16 w, bf16(S), bf16(v_new), bf16 of
+// the scaled k; -w S as (-w) S instead of w (-S): the same products) and the k16 steps accumulate
+// in the same order from the same start: on the H200 the h tape, v_new and the final state are
+// bitwise equal to the mma.sync walk's (tests/test_cuda_fwd.py compares walk_output, which runs
+// that walk, with this one + output).
+// Shared memory (K = 128): w 16 KB, Kd 16 KB, Sb 16 KB, Vn 8 KB, u staging 16 KB (f32, 16-byte
+// pieces swizzled), G / rstd 1 KB, + 1 KB for 1024-byte alignment: 74 KB, 3 CTAs per SM.
+#pragma once
+
+#include <type_traits>
+
+#include "fwd_common.cuh"
+#include "wgmma.cuh"
+
+namespace jax_cake_gdn {
+
+constexpr int kWgThreads = 128;
+
+template <int K>
+struct WalkWgSmem {
+  static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
+  static constexpr size_t oWs = 0;                         // K / 64 slabs [token][key]
+  static constexpr size_t oKd = oWs + K / 64 * kSlab;      // K / 64 slabs [token][key]
+  static constexpr size_t oSb = oKd + K / 64 * kSlab;      // one slab of K rows [key][v]
+  static constexpr size_t oVn = oSb + size_t{K} * 128;     // one slab [token][v]
+  static constexpr size_t oStU = oVn + kSlab;              // f32 [64][64]
+  static constexpr size_t oStG = oStU + size_t{kChunk} * 64 * sizeof(float);
+  static constexpr size_t kUsed = oStG + 2 * 2 * kChunk * sizeof(float);  // G, rstd x 2 chunks
+  static constexpr size_t bytes = kUsed + 1024;  // the base is aligned up to 1024 in the kernel
+};
+
+// Byte offset of element (row, col) of a [rows][K] bf16 tile stored as 64-column swizzled slabs
+// of `rows` rows each.
+template <int Rows>
+__device__ __forceinline__ uint32_t slab_offset(int row, int col) {
+  return static_cast<uint32_t>((col / 64) * Rows * 128) + sw128_offset(row, col % 64);
+}
+
+// f32 u staging [64][64]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
+// accumulator-layout float2 reads (rows g, columns 8 j + 2 q) hit 32 distinct banks.
+__device__ __forceinline__ int ustage_index(int r, int c) {
+  return r * 64 + 4 * ((c / 4) ^ (2 * (r & 3))) + (c & 3);
+}
+
+// Loads (store = false) or stores the f32 state [K][V] rows at base (tile column 0, row pitch V)
+// from / to the accumulators S[b][4 j + e] = state[64 b + 16 w + g + 8 (e / 2)][8 j + 2 q + e % 2].
+template <int K>
+__device__ __forceinline__ void wg_state_rw(float (&S)[K / 64][32], float* base, int V,
+                                            bool store) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int b = 0; b < K / 64; ++b)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float2* p = reinterpret_cast<float2*>(
+            base + static_cast<int64_t>(64 * b + 16 * warp + g + 8 * half) * V + 8 * j + 2 * q);
+        float* s = &S[b][4 * j + 2 * half];
+        if (store) {
+          *p = make_float2(s[0], s[1]);
+        } else {
+          const float2 x = *p;
+          s[0] = x.x;
+          s[1] = x.y;
+        }
+      }
+}
+
+template <typename In, int K>
+__global__ void __launch_bounds__(kWgThreads, 3)
+    state_walk_wg_kernel(const In* __restrict__ k, const bf16* __restrict__ w,
+                         const float* __restrict__ u, const float* __restrict__ G,
+                         const float* __restrict__ h0, const float* __restrict__ rstd,  // nullable
+                         const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
+                         const int32_t* __restrict__ seg_first,
+                         const int32_t* __restrict__ seg_last, const int32_t* __restrict__ seg_len,
+                         bf16* __restrict__ h, bf16* __restrict__ v_new,
+                         float* __restrict__ final_state, int64_t num_tokens, int H, int HV, int V,
+                         int NC) {
+  static_assert(std::is_same_v<In, bf16>, "the wgmma walk takes bf16 k");
+  static_assert(K == 64 || K == 128, "K = 64 or 128");
+  using Sm = WalkWgSmem<K>;
+  constexpr int VT = 64;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  unsigned char* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
+  unsigned char* Ws = smem + Sm::oWs;
+  unsigned char* Kd = smem + Sm::oKd;
+  unsigned char* Sb = smem + Sm::oSb;
+  unsigned char* Vn = smem + Sm::oVn;
+  float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
+  float* stG0 = reinterpret_cast<float*>(smem + Sm::oStG);  // chunk c: G at stG0 + (c & 1) * 128,
+                                                            // rstd 64 after it
+
+  const int ntiles = V / VT;
+  const int tile = blockIdx.x % ntiles, rest = blockIdx.x / ntiles;
+  const int hv = rest % HV, s = rest / HV, v0 = tile * VT;
+  const int hk = hv / (HV / H);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+  const int64_t state_stride = int64_t{K} * V;
+
+  float S[K / 64][32];
+  const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + v0;
+  float* fin = final_state + state0;
+  wg_state_rw<K>(S, const_cast<float*>(h0) + state0, V, false);
+
+  const int c_first = seg_first[s], c_last = seg_last[s];
+  const bool empty = seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
+  if (empty) {
+    wg_state_rw<K>(S, fin, V, true);
+    if (s == 0 && NC > 0 && clen[0] <= 0) {
+      for (int c = 0; c < NC; ++c)
+        state_zero_bf16<K>(h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
+    }
+    return;
+  }
+
+  // Sb = bf16(S): element (key r, column c) at sw128_offset(r, c) (one slab of K rows)
+  auto write_sb = [&]() {
+#pragma unroll
+    for (int b = 0; b < K / 64; ++b)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          *reinterpret_cast<uint32_t*>(
+              Sb + sw128_offset(64 * b + 16 * warp + g + 8 * half, 8 * j + 2 * q)) =
+              pack_bf16(S[b][4 * j + 2 * half], S[b][4 * j + 2 * half + 1]);
+  };
+  // h[c] = Sb with 16-byte stores (after a barrier that follows write_sb)
+  auto copy_sb_to_h = [&](int c) {
+    bf16* dst = h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0;
+#pragma unroll 2
+    for (int n = 0; n < K * 8 / kWgThreads; ++n) {
+      const int i = tid + n * kWgThreads, r = i / 8, cj = i % 8;
+      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * V + 8 * cj) =
+          *reinterpret_cast<const uint4*>(Sb + 128 * r + 16 * (cj ^ (r % 8)));
+    }
+  };
+  // cp.async of chunk c's [64 x K] bf16 rows (zero beyond its length) into swizzled slabs
+  using P = TilePieces<kChunk, K, kWgThreads>;
+  auto issue_tile = [&](unsigned char* dst, const bf16* src, int64_t row_stride, int len) {
+    const int t0 = P::row0(), col = P::col();
+#pragma unroll 1
+    for (int j = 0; j < P::kPer; ++j) {
+      const int t = t0 + j * P::kRowStep;
+      const bool ok = t < len;
+      cp_async16(dst + slab_offset<kChunk>(t, col), ok ? src + t * row_stride + col : src, ok);
+    }
+  };
+  auto prefetch_w = [&](int c) {
+    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+    issue_tile(Ws, w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
+  };
+  auto prefetch_k = [&](int c) {
+    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+    issue_tile(Kd, k + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
+  };
+  auto prefetch_rows = [&](int c) {  // u tile, G, rstd
+    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+    float* stG = stG0 + (c & 1) * 2 * kChunk;
+    float* stR = stG + kChunk;
+    const float* src = u + (cs.start * HV + hv) * V + v0;
+#pragma unroll 1
+    for (int i = tid; i < kChunk * 16; i += kWgThreads) {  // 16 pieces of 4 f32 per row
+      const int t = i / 16, c4 = 4 * (i % 16);
+      const bool ok = t < cs.len;
+      cp_async16(stU + ustage_index(t, c4), ok ? src + t * (int64_t{HV} * V) + c4 : src, ok);
+    }
+    if (tid < kChunk) {
+      const bool ok = tid < cs.len;
+      cp_async4(stG + tid, ok ? G + (cs.start + tid) * HV + hv : G, ok);
+    } else if (rstd != nullptr) {
+      const int t = tid - kChunk;
+      const bool ok = t < cs.len;
+      cp_async4(stR + t, ok ? rstd + (cs.start + t) * H + hk : rstd, ok);
+    }
+  };
+
+  // Commit groups per chunk c: k(c) at the top; u / G / rstd of c + 1 once the staging is read;
+  // w of c + 1 once product 1 is done. The top waits for everything; k(c) is waited for before
+  // its scaling with the rows of c + 1 still in flight.
+  prefetch_rows(c_first);
+  prefetch_w(c_first);
+  cp_async_commit();
+  for (int c = c_first; c <= c_last; ++c) {
+    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+    const int len = cs.len;
+    const float* stG = stG0 + (c & 1) * 2 * kChunk;
+    const float* stR = stG + kChunk;
+    cp_async_wait_all();
+    __syncthreads();  // w, u, G, rstd of chunk c have landed; chunk c - 1 is done everywhere
+    prefetch_k(c);
+    cp_async_commit();
+
+    const float GC = len > 0 ? stG[len - 1] : 0.f;
+    const float eGC = __expf(GC);
+    // product 1's accumulator starts as u (rows >= len are zero)
+    float acc[32];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float2 x = *reinterpret_cast<const float2*>(
+            stU + ustage_index(16 * warp + g + 8 * half, 8 * j + 2 * q));
+        acc[4 * j + 2 * half] = x.x;
+        acc[4 * j + 2 * half + 1] = x.y;
+      }
+    write_sb();
+    fence_proxy_async();
+    __syncthreads();  // Sb complete; the u staging is read
+    if (c < c_last) prefetch_rows(c + 1);
+    cp_async_commit();
+
+    // product 1: v_new = u - Ws Sb
+    wgmma_fence_operand(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks)
+      wgmma_m64k16_ss<64, false, true, -1>(
+          acc, sw128_desc(Ws + (ks / 4) * Sm::kSlab + 32 * (ks % 4)),
+          sw128_desc(Sb + 2048 * ks, K * 128), true);
+    wgmma_commit();
+    copy_sb_to_h(c);  // h[c] = S (bf16), while the tensor cores run
+    wgmma_wait<0>();
+    wgmma_fence_operand(acc);
+
+    // v_new to global (rows < len) and to Vn (all rows; padding rows are 0)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = 16 * warp + g + 8 * half, vc = 8 * j + 2 * q;
+        const float x0 = acc[4 * j + 2 * half], x1 = acc[4 * j + 2 * half + 1];
+        if (t < len) store2(v_new + ((cs.start + t) * HV + hv) * V + v0 + vc, x0, x1);
+        *reinterpret_cast<uint32_t*>(Vn + sw128_offset(t, vc)) = pack_bf16(x0, x1);
+      }
+    // k(c) has landed in Kd: scale this thread's pieces to k rstd e^{G_C - G} (rows >= len stay 0)
+    cp_async_wait<1>();
+    {
+      const int t0 = P::row0(), col = P::col();
+#pragma unroll 2
+      for (int j = 0; j < P::kPer; ++j) {
+        const int t = t0 + j * P::kRowStep;
+        if (t < len) {
+          bf16* p = reinterpret_cast<bf16*>(Kd + slab_offset<kChunk>(t, col));
+          float f[8];
+          lds8(p, f);
+          const float r = rstd != nullptr ? stR[t] : 1.f;
+          sts8_bf16(p, f, r * __expf(GC - stG[t]));
+        }
+      }
+    }
+    fence_proxy_async();
+    __syncthreads();  // Vn, Kd complete; every warp's product 1 is done with Ws
+    if (c < c_last) prefetch_w(c + 1);
+    cp_async_commit();
+
+    // product 2: S = e^{G_C} S + Kd^T Vn, per 64-key block b
+#pragma unroll
+    for (int b = 0; b < K / 64; ++b) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) S[b][i] *= eGC;
+      wgmma_fence_operand(S[b]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int b = 0; b < K / 64; ++b)
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+        wgmma_m64k16_ss<64, true, true, 1>(
+            S[b], sw128_desc(Kd + b * Sm::kSlab + 2048 * ks, Sm::kSlab),
+            sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int b = 0; b < K / 64; ++b) wgmma_fence_operand(S[b]);
+  }
+
+  wg_state_rw<K>(S, fin, V, true);
+  // The last used chunk's segment also fills the unused chunks' h with its exit state.
+  if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
+    __syncthreads();  // every warp is done reading Sb
+    write_sb();
+    __syncthreads();
+    for (int c = c_last + 1; c < NC; ++c) copy_sb_to_h(c);
+  }
+}
+
+}  // namespace jax_cake_gdn
