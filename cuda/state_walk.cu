@@ -21,6 +21,7 @@
 #include "fwd_args.cuh"
 #include "state_walk.cuh"
 #include "state_walk_wg.cuh"
+#include "walk_output_wg.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_state_walk"
 
@@ -189,19 +190,18 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
         dispatch_head_dim(V, [&](auto vdim) {  // one CTA covers all V columns
           constexpr int VT = decltype(vdim)::value;
           const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
-          err = launch(state_walk_kernel<In, KD, true, Out, VT>, grid, walk_threads<VT>(),
-                       WalkSmem<In, KD, true, VT>::bytes, stream,
+          err = launch(walk_output_wg_kernel<In, Out, KD, VT>, grid,
+                       walk_output_wg_threads<VT>(), WalkOutWgSmem<In, KD, VT>::bytes, stream,
+                       static_cast<const In*>(q.untyped_data()),
                        static_cast<const In*>(k.untyped_data()),
                        static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
                        h0.typed_data(),
+                       has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                        has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                        chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                       seg_last.typed_data(), seg_len.typed_data(), static_cast<bf16*>(nullptr),
-                       static_cast<bf16*>(nullptr), final_state->typed_data(), T,
-                       static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
-                       static_cast<int>(NC), static_cast<const In*>(q.untyped_data()),
-                       has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
-                       static_cast<Out*>(o->untyped_data()), scale);
+                       seg_last.typed_data(), seg_len.typed_data(),
+                       static_cast<Out*>(o->untyped_data()), final_state->typed_data(), T,
+                       static_cast<int>(H), static_cast<int>(HV), static_cast<int>(NC), scale);
         });
       });
     });

@@ -53,18 +53,53 @@ __device__ __forceinline__ uint32_t slab_offset(int row, int col) {
   return static_cast<uint32_t>((col / 64) * Rows * 128) + sw128_offset(row, col % 64);
 }
 
-// f32 u staging [64][64]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
+// f32 u staging [64][Cols]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
 // accumulator-layout float2 reads (rows g, columns 8 j + 2 q) hit 32 distinct banks.
+template <int Cols = 64>
 __device__ __forceinline__ int ustage_index(int r, int c) {
-  return r * 64 + 4 * ((c / 4) ^ (2 * (r & 3))) + (c & 3);
+  return r * Cols + 4 * ((c / 4) ^ (2 * (r & 3))) + (c & 3);
+}
+
+// The accumulator of a 64 x 64 product (rows 16 wq + g + 8 (e / 2), columns 8 j + 2 q + e % 2;
+// wq: the warp in its warpgroup) from the u staging columns col0.. (ustage_index<Cols>).
+template <int Cols>
+__device__ __forceinline__ void wg_load_u(float (&acc)[32], const float* stU, int col0, int wq) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float2 x = *reinterpret_cast<const float2*>(
+          stU + ustage_index<Cols>(16 * wq + g + 8 * half, col0 + 8 * j + 2 * q));
+      acc[4 * j + 2 * half] = x.x;
+      acc[4 * j + 2 * half + 1] = x.y;
+    }
+}
+
+// Sb = bf16(S) for a K x 64 state in K / 64 accumulators (wq: the warp in its warpgroup):
+// element (key r, column c) at sw128_offset(r, c), one slab of K rows (the MN-major B operand).
+template <int K>
+__device__ __forceinline__ void wg_write_sb(const float (&S)[K / 64][32], unsigned char* Sb,
+                                            int wq) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int b = 0; b < K / 64; ++b)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<uint32_t*>(
+            Sb + sw128_offset(64 * b + 16 * wq + g + 8 * half, 8 * j + 2 * q)) =
+            pack_bf16(S[b][4 * j + 2 * half], S[b][4 * j + 2 * half + 1]);
 }
 
 // Loads (store = false) or stores the f32 state [K][V] rows at base (tile column 0, row pitch V)
-// from / to the accumulators S[b][4 j + e] = state[64 b + 16 w + g + 8 (e / 2)][8 j + 2 q + e % 2].
+// from / to the accumulators S[b][4 j + e] = state[64 b + 16 wq + g + 8 (e / 2)][8 j + 2 q + e % 2]
+// (wq: the warp in its warpgroup).
 template <int K>
 __device__ __forceinline__ void wg_state_rw(float (&S)[K / 64][32], float* base, int V,
-                                            bool store) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+                                            bool store, int wq) {
+  const int lane = threadIdx.x & 31, warp = wq, g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int b = 0; b < K / 64; ++b)
 #pragma unroll
@@ -120,12 +155,12 @@ __global__ void __launch_bounds__(kWgThreads, 3)
   float S[K / 64][32];
   const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + v0;
   float* fin = final_state + state0;
-  wg_state_rw<K>(S, const_cast<float*>(h0) + state0, V, false);
+  wg_state_rw<K>(S, const_cast<float*>(h0) + state0, V, false, warp);
 
   const int c_first = seg_first[s], c_last = seg_last[s];
   const bool empty = seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
   if (empty) {
-    wg_state_rw<K>(S, fin, V, true);
+    wg_state_rw<K>(S, fin, V, true, warp);
     if (s == 0 && NC > 0 && clen[0] <= 0) {
       for (int c = 0; c < NC; ++c)
         state_zero_bf16<K>(h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V);
@@ -133,18 +168,6 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     return;
   }
 
-  // Sb = bf16(S): element (key r, column c) at sw128_offset(r, c) (one slab of K rows)
-  auto write_sb = [&]() {
-#pragma unroll
-    for (int b = 0; b < K / 64; ++b)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          *reinterpret_cast<uint32_t*>(
-              Sb + sw128_offset(64 * b + 16 * warp + g + 8 * half, 8 * j + 2 * q)) =
-              pack_bf16(S[b][4 * j + 2 * half], S[b][4 * j + 2 * half + 1]);
-  };
   // h[c] = Sb with 16-byte stores (after a barrier that follows write_sb)
   auto copy_sb_to_h = [&](int c) {
     bf16* dst = h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0;
@@ -215,16 +238,8 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     const float eGC = __expf(GC);
     // product 1's accumulator starts as u (rows >= len are zero)
     float acc[32];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float2 x = *reinterpret_cast<const float2*>(
-            stU + ustage_index(16 * warp + g + 8 * half, 8 * j + 2 * q));
-        acc[4 * j + 2 * half] = x.x;
-        acc[4 * j + 2 * half + 1] = x.y;
-      }
-    write_sb();
+    wg_load_u<64>(acc, stU, 0, warp);
+    wg_write_sb<K>(S, Sb, warp);
     fence_proxy_async();
     __syncthreads();  // Sb complete; the u staging is read
     if (c < c_last) prefetch_rows(c + 1);
@@ -295,11 +310,11 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     for (int b = 0; b < K / 64; ++b) wgmma_fence_operand(S[b]);
   }
 
-  wg_state_rw<K>(S, fin, V, true);
+  wg_state_rw<K>(S, fin, V, true, warp);
   // The last used chunk's segment also fills the unused chunks' h with its exit state.
   if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
     __syncthreads();  // every warp is done reading Sb
-    write_sb();
+    wg_write_sb<K>(S, Sb, warp);
     __syncthreads();
     for (int c = c_last + 1; c < NC; ++c) copy_sb_to_h(c);
   }
