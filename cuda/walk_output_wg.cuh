@@ -9,7 +9,8 @@
 // the w, Kd, Q, K and Att slabs. Per chunk:
 //   top: staged k, q -> Kd = k rstd e^{G_C - G}, Ks = k rstd, Qs = q rstd_q (swizzled slabs,
 //        every thread its pieces); Sb = bf16(S); the product-1 accumulator = u
-//   Att (warpgroup 0): Qs Ks^T, 8 k-steps, then the mask and Gam = e^{G_i - G_j} -> bf16 slab
+//   Att: Qs Ks^T, 8 k-steps (every warpgroup: a wgmma under a branch is serialized by ptxas),
+//        then warpgroup 0 applies the mask and Gam = e^{G_i - G_j} -> bf16 slab
 //   product 1: v_new = u - Ws Sb;  oacc = Qs Sb       (per warpgroup, 8 k-steps each)
 //   Vn = bf16(v_new);  oacc = e^G oacc + Att Vn;  S = e^{G_C} S + Kd^T Vn;  o = scale oacc
 // Every operand and every k16 step is the mma.sync walk's (state_walk.cuh, kOutput) in the same
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     if (c < c_last) prefetch_rows(c + 1);
     cp_async_commit();
 
-    // Att (warpgroup 0), product 1 and Q S (every warpgroup)
+    // Att, product 1 and Q S
     float att[32], oacc[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) att[i] = oacc[i] = 0.f;
@@ -188,12 +189,11 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     wgmma_fence_operand(oacc);
     wgmma_fence_operand(acc);
     wgmma_fence();
-    if (wg == 0) {
+    // (every warpgroup computes Att: a wgmma under a branch makes ptxas serialize them all)
 #pragma unroll
-      for (int ks = 0; ks < K / 16; ++ks) {
-        const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
-        wgmma_m64k16_ss<64, false, false, 1>(att, sw128_desc(Qs + kk), sw128_desc(Ks + kk), true);
-      }
+    for (int ks = 0; ks < K / 16; ++ks) {
+      const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
+      wgmma_m64k16_ss<64, false, false, 1>(att, sw128_desc(Qs + kk), sw128_desc(Ks + kk), true);
     }
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) {
