@@ -173,9 +173,11 @@ struct TilePieces {
 // pieces (8 bf16, or 2 pieces of 4 f32 per 8-element piece of TilePieces): row t < len is
 // src[t*row_stride + col], rows t >= len are zero. The caller commits and waits. kUnroll = false
 // keeps the issue loop rolled (fewer live registers where that matters).
-template <int Rows, int D, int Threads, bool kUnroll = true, typename T>
-__device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int64_t row_stride,
-                                              int len) {
+// cp_async_tile_at: the same with element (t, c) of the tile at at(t, c) (a T*; e.g. a swizzled
+// slab, wgmma.cuh), for bf16 tiles.
+template <int Rows, int D, int Threads, bool kUnroll = true, typename T, typename At>
+__device__ __forceinline__ void cp_async_tile_at(At at, const T* src, int64_t row_stride,
+                                                 int len) {
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "bf16 or f32");
   using P = TilePieces<Rows, D, Threads>;
   const int t0 = P::row0(), c = P::col();
@@ -184,10 +186,17 @@ __device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int6
     const int t = t0 + j * P::kRowStep;
     const bool ok = t < len;
     const T* s = src + t * row_stride + c;
-    T* d = dst + t * ld + c;
+    T* d = at(t, c);
     cp_async16(d, ok ? s : src, ok);
     if constexpr (sizeof(T) == 4) cp_async16(d + 4, ok ? s + 4 : src, ok);
   }
+}
+
+template <int Rows, int D, int Threads, bool kUnroll = true, typename T>
+__device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int64_t row_stride,
+                                              int len) {
+  cp_async_tile_at<Rows, D, Threads, kUnroll>([=](int t, int c) { return dst + t * ld + c; },
+                                              src, row_stride, len);
 }
 
 // In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile times the row
@@ -212,9 +221,11 @@ __device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, cons
 // times scale(t); rows t >= len are zero. Each thread issues up to NB 8-element loads (from
 // clamped, always valid rows, with no branch between them) before it stores any, so NB loads per
 // thread are in flight at once; batches run one after another. len must be >= 1.
-template <int Rows, int D, int NB, int Threads, typename In, typename Scale>
-__device__ __forceinline__ void load_tile_bf16(bf16* dst, int ld, const In* src,
-                                               int64_t row_stride, int len, Scale scale) {
+// load_tile_bf16_at: the same with element (t, c) of the tile at at(t, c) (a bf16*; e.g. a
+// swizzled slab, wgmma.cuh).
+template <int Rows, int D, int NB, int Threads, typename In, typename Scale, typename At>
+__device__ __forceinline__ void load_tile_bf16_at(At at, const In* src, int64_t row_stride,
+                                                  int len, Scale scale) {
   using P = TilePieces<Rows, D, Threads>;
   constexpr int kNB = NB < P::kPer ? NB : P::kPer;  // loads per batch
   static_assert(P::kPer % kNB == 0, "tile does not split evenly");
@@ -233,12 +244,19 @@ __device__ __forceinline__ void load_tile_bf16(bf16* dst, int ld, const In* src,
     for (int j = 0; j < kNB; ++j) {
       const int t = t0 + (b0 + j) * P::kRowStep;
       if (t < len) {
-        sts8_bf16(dst + t * ld + c, f[j], s[j]);
+        sts8_bf16(at(t, c), f[j], s[j]);
       } else {
-        sts8_zero(dst + t * ld + c);
+        sts8_zero(at(t, c));
       }
     }
   }
+}
+
+template <int Rows, int D, int NB, int Threads, typename In, typename Scale>
+__device__ __forceinline__ void load_tile_bf16(bf16* dst, int ld, const In* src,
+                                               int64_t row_stride, int len, Scale scale) {
+  load_tile_bf16_at<Rows, D, NB, Threads>([=](int t, int c) { return dst + t * ld + c; }, src,
+                                          row_stride, len, scale);
 }
 
 struct ScaleOne {

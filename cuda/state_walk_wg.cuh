@@ -53,6 +53,14 @@ __device__ __forceinline__ uint32_t slab_offset(int row, int col) {
   return static_cast<uint32_t>((col / 64) * Rows * 128) + sw128_offset(row, col % 64);
 }
 
+// Element addresses of such a tile at base, for the *_tile_at loaders (fwd_common.cuh).
+template <int Rows>
+__device__ __forceinline__ auto slab_at(unsigned char* base) {
+  return [=](int row, int col) {
+    return reinterpret_cast<bf16*>(base + slab_offset<Rows>(row, col));
+  };
+}
+
 // f32 u staging [64][Cols]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
 // accumulator-layout float2 reads (rows g, columns 8 j + 2 q) hit 32 distinct banks.
 template <int Cols = 64>
@@ -180,22 +188,15 @@ __global__ void __launch_bounds__(kWgThreads, 3)
   };
   // cp.async of chunk c's [64 x K] bf16 rows (zero beyond its length) into swizzled slabs
   using P = TilePieces<kChunk, K, kWgThreads>;
-  auto issue_tile = [&](unsigned char* dst, const bf16* src, int64_t row_stride, int len) {
-    const int t0 = P::row0(), col = P::col();
-#pragma unroll 1
-    for (int j = 0; j < P::kPer; ++j) {
-      const int t = t0 + j * P::kRowStep;
-      const bool ok = t < len;
-      cp_async16(dst + slab_offset<kChunk>(t, col), ok ? src + t * row_stride + col : src, ok);
-    }
-  };
   auto prefetch_w = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    issue_tile(Ws, w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
+    cp_async_tile_at<kChunk, K, kWgThreads, false>(
+        slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
   };
   auto prefetch_k = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    issue_tile(Kd, k + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
+    cp_async_tile_at<kChunk, K, kWgThreads, false>(
+        slab_at<kChunk>(Kd), k + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
   };
   auto prefetch_rows = [&](int c) {  // u tile, G, rstd
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);

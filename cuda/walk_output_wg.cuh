@@ -106,15 +106,8 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   using P = TilePieces<kChunk, K, kThreads>;
   auto prefetch_w = [&](int c) {  // w straight into its swizzled slabs
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    const bf16* src = w + (cs.start * HV + hv) * K;
-    const int t0 = P::row0(), col = P::col();
-#pragma unroll 1
-    for (int j = 0; j < P::kPer; ++j) {
-      const int t = t0 + j * P::kRowStep;
-      const bool ok = t < cs.len;
-      cp_async16(Ws + slab_offset<kChunk>(t, col), ok ? src + t * int64_t{HV} * K + col : src,
-                 ok);
-    }
+    cp_async_tile_at<kChunk, K, kThreads, false>(
+        slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
   };
   auto prefetch_rows = [&](int c) {  // k, q, u, G, rstd, rstd_q into staging
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
