@@ -7,13 +7,15 @@
 //
 // q, k (normalised by rstd when given) are rounded to bf16 in shared memory; h (the state
 // entering the chunk) and v_new are bf16 already (the state walk rounds them) and go straight
-// into their tiles with cp.async. Warp w owns output rows 16w..16w+15: its Q fragments stay in
-// registers for Q K^T and Q h; Att goes from accumulators to A fragments in registers (no shared
-// round trip) for Att v_new; o is produced in 64-column panels. e^G multiplies the rows of Q h
-// (never e^{-G}, which can overflow); Gam_ij = exp(G_i - G_j) is evaluated for i >= j only.
+// into their slabs with cp.async. The products run on wgmma (one warpgroup; warp w holds output
+// rows 16w..16w+15); Att goes through a shared slab to Att v_new; o is produced in 64-column
+// panels. e^G multiplies the rows of Q h (never e^{-G}, which can overflow); Gam_ij =
+// exp(G_i - G_j) is evaluated for i >= j only. chunk_scores_part below (mma.sync) serves
+// walk_bwd.
 #pragma once
 
 #include "fwd_common.cuh"
+#include "wgmma.cuh"
 
 namespace jax_cake_gdn {
 
@@ -23,8 +25,9 @@ constexpr int kOutThreads = 128;
 // qa: Q row fragments of rows 16rw.. (bf16 Q tile, normalised by rstd_q); Ks: the bf16 K tile
 // (normalised by rstd_k, zero rows beyond the chunk), pitch ld; sg: G of the chunk's 64 rows
 // (rows beyond the chunk repeat its last G). Each element's mma sequence (over k) and mask do not
-// depend on the column split, so every split builds bit-identical scores. Shared by the output
-// kernel (chunk_scores below) and the fused walk (state_walk.cuh, kOutput).
+// depend on the column split, so every split builds bit-identical scores. Used by walk_bwd (and
+// the mma.sync walk_output of state_walk.cuh); the wgmma kernels apply the same mask and gate
+// element by element.
 template <int KS, int NT>
 __device__ __forceinline__ void chunk_scores_part(float (&att)[NT][4],
                                                   const uint32_t (&qa)[KS][4], const bf16* Ks,
@@ -45,25 +48,27 @@ __device__ __forceinline__ void chunk_scores_part(float (&att)[NT][4],
   }
 }
 
-// Att rows 16w..16w+15 of this warp w, all 64 columns.
-template <int KS>
-__device__ __forceinline__ void chunk_scores(float (&att)[8][4], const uint32_t (&qa)[KS][4],
-                                             const bf16* Ks, int ld, const float* sg) {
-  chunk_scores_part<KS, 8>(att, qa, Ks, ld, sg, threadIdx.x >> 5, 0);
-}
-
 template <int K>
 struct OutputSmem {
-  static constexpr int KP = K + 8;
-  static size_t vp(int V) { return static_cast<size_t>(V) + 8; }
-  static size_t bytes(int V) {
-    return (2 * size_t{kChunk} * KP + size_t{K} * vp(V) + size_t{kChunk} * vp(V)) * sizeof(bf16) +
-           kChunk * sizeof(float);
+  static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
+  static constexpr size_t oQs = 0;                         // [64][K] as K / 64 slabs
+  static constexpr size_t oKs = oQs + K / 64 * kSlab;      // [64][K] as K / 64 slabs
+  static constexpr size_t oAtt = oKs + K / 64 * kSlab;     // [i][j]
+  static constexpr size_t oHs = oAtt + kSlab;              // h: V / 64 slabs of K rows [key][v]
+  // v_new: V / 64 slabs of 64 rows [token][v]; G; 1 KB for the 1024-byte alignment
+  __host__ __device__ static size_t oVs(int V) { return oHs + size_t{V} / 64 * K * 128; }
+  __host__ __device__ static size_t oSg(int V) { return oVs(V) + size_t{V} / 64 * kSlab; }
+  __host__ __device__ static size_t bytes(int V) {
+    return oSg(V) + kChunk * sizeof(float) + 1024;
   }
 };
 
-// (min 1 CTA/SM in the bounds: without it ptxas 13.0 caps bf16 K = 128 at 128 registers and
-// spills; its 85 KB of shared memory sets 2 CTAs/SM either way)
+// One warpgroup per (chunk, value head), on wgmma (wgmma.cuh): Q, K, h, v_new and Att as 128-byte
+// swizzled slabs; Att = Q K^T (m64n64, K / 16 k-steps) with chunk_scores_part's mask and gate
+// applied element by element; per 64-column panel p of V, o = e^G (Q h_p) + Att v_new_p. Every
+// operand and every accumulator's k16 steps are those of the mma.sync kernel this replaces (and of
+// walk_output), in the same order from zero, so o and the scores are expected bit for bit equal.
+// (min 1 CTA/SM in the bounds; 89 KB of shared memory at K = V = 128: 2 CTAs/SM)
 template <typename In, typename Out, int K>
 __global__ void __launch_bounds__(kOutThreads, 1)
     output_kernel(const In* __restrict__ q, const In* __restrict__ k,
@@ -74,14 +79,15 @@ __global__ void __launch_bounds__(kOutThreads, 1)
                   Out* __restrict__ o, bf16* __restrict__ scores,  // scores nullable
                   int64_t num_tokens, int H, int HV, int V, float scale) {
   using Sm = OutputSmem<K>;
-  constexpr int KP = Sm::KP, KS = K / 16;
-  const int VP = V + 8;
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Qs = reinterpret_cast<bf16*>(smem);
-  bf16* Ks = Qs + kChunk * KP;
-  bf16* Hs = Ks + kChunk * KP;
-  bf16* Vs = Hs + K * VP;
-  float* sg = reinterpret_cast<float*>(Vs + kChunk * VP);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  unsigned char* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
+  unsigned char* Qs = smem + Sm::oQs;
+  unsigned char* Ks = smem + Sm::oKs;
+  unsigned char* AttS = smem + Sm::oAtt;
+  unsigned char* Hs = smem + Sm::oHs;
+  unsigned char* Vs = smem + Sm::oVs(V);
+  float* sg = reinterpret_cast<float*>(smem + Sm::oSg(V));
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
   const int hk = hv / (HV / H);
@@ -99,73 +105,101 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   }
 
   const int64_t qk_off = cs.start * H * K + hk * K;
-  // h (bf16 [K][V], 16-byte pieces) and v_new stream in while q, k are converted
+  // h (bf16 [K][V]) and v_new stream in while q, k are converted
   const bf16* hsrc = h + (static_cast<int64_t>(c) * HV + hv) * K * V;
   const bf16* vsrc = v_new + (cs.start * HV + hv) * V;
   if (V == 64) {
-    cp_async_tile<K, 64, kOutThreads>(Hs, VP, hsrc, V, K);
-    cp_async_tile<kChunk, 64, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
+    cp_async_tile_at<K, 64, kOutThreads>(slab_at<K>(Hs), hsrc, V, K);
+    cp_async_tile_at<kChunk, 64, kOutThreads>(slab_at<kChunk>(Vs), vsrc, int64_t{HV} * V, len);
   } else {
-    cp_async_tile<K, 128, kOutThreads>(Hs, VP, hsrc, V, K);
-    cp_async_tile<kChunk, 128, kOutThreads>(Vs, VP, vsrc, int64_t{HV} * V, len);
+    cp_async_tile_at<K, 128, kOutThreads>(slab_at<K>(Hs), hsrc, V, K);
+    cp_async_tile_at<kChunk, 128, kOutThreads>(slab_at<kChunk>(Vs), vsrc, int64_t{HV} * V, len);
   }
   cp_async_commit();
-  load_tile_bf16<kChunk, K, 8, kOutThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
-                                            ScaleRstd{rstd_q, cs.start, H, hk});
-  load_tile_bf16<kChunk, K, 8, kOutThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
-                                            ScaleRstd{rstd_k, cs.start, H, hk});
+  load_tile_bf16_at<kChunk, K, 8, kOutThreads>(slab_at<kChunk>(Qs), q + qk_off, int64_t{H} * K,
+                                               len, ScaleRstd{rstd_q, cs.start, H, hk});
+  load_tile_bf16_at<kChunk, K, 8, kOutThreads>(slab_at<kChunk>(Ks), k + qk_off, int64_t{H} * K,
+                                               len, ScaleRstd{rstd_k, cs.start, H, hk});
   if (tid < kChunk) sg[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];
   cp_async_wait_all();
+  fence_proxy_async();
   __syncthreads();
 
-  uint32_t qa[KS][4];
+  // Att = tril_incl(Gam o Q K^T): rows 16 warp.. of this warp, all 64 columns
+  float att[32];
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) lda_rm(qa[ks], Qs + (16 * warp) * KP + 16 * ks, KP);
-
-  // Att rows 16w.. x 64 columns
-  float att[8][4];
-  chunk_scores<KS>(att, qa, Ks, KP, sg);
+  for (int i = 0; i < 32; ++i) att[i] = 0.f;
+  wgmma_fence_operand(att);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < K / 16; ++ks) {
+    const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
+    wgmma_m64k16_ss<64, false, false, 1>(att, sw128_desc(Qs + kk), sw128_desc(Ks + kk), true);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operand(att);
   const int i0 = 16 * warp + g, i1 = i0 + 8;
   const float gi0 = sg[i0], gi1 = sg[i1];
-  if (scores != nullptr) {
-    bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+  bf16* sp = scores == nullptr
+                 ? nullptr
+                 : scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      store2(sp + i0 * kChunk + 8 * nt + 2 * qd, att[nt][0], att[nt][1]);
-      store2(sp + i1 * kChunk + 8 * nt + 2 * qd, att[nt][2], att[nt][3]);
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = half ? i1 : i0, jj = 8 * j + 2 * qd;
+      const float gi = half ? gi1 : gi0;
+      const float a0 = jj <= i ? __expf(gi - sg[jj]) * att[4 * j + 2 * half] : 0.f;
+      const float a1 = jj + 1 <= i ? __expf(gi - sg[jj + 1]) * att[4 * j + 2 * half + 1] : 0.f;
+      if (sp != nullptr) store2(sp + i * kChunk + jj, a0, a1);
+      *reinterpret_cast<uint32_t*>(AttS + sw128_offset(i, jj)) = pack_bf16(a0, a1);
     }
-  }
-  uint32_t pa[4][4];
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    pa[s][0] = pack_bf16(att[2 * s][0], att[2 * s][1]);
-    pa[s][1] = pack_bf16(att[2 * s][2], att[2 * s][3]);
-    pa[s][2] = pack_bf16(att[2 * s + 1][0], att[2 * s + 1][1]);
-    pa[s][3] = pack_bf16(att[2 * s + 1][2], att[2 * s + 1][3]);
-  }
+  fence_proxy_async();
+  __syncthreads();  // Att complete
   const float eg0 = __expf(gi0), eg1 = __expf(gi1);
 
   for (int p = 0; p < V / 64; ++p) {
-    float acc[8][4];
-    zero_acc(acc);
-    mma_rm<KS, 8>(acc, qa, Hs + 64 * p, VP);
+    float acc[32];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      acc[nt][0] *= eg0;
-      acc[nt][1] *= eg0;
-      acc[nt][2] *= eg1;
-      acc[nt][3] *= eg1;
+    for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+    wgmma_fence_operand(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks)
+      wgmma_m64k16_ss<64, false, true, 1>(
+          acc, sw128_desc(Qs + (ks / 4) * Sm::kSlab + 32 * (ks % 4)),
+          sw128_desc(Hs + p * size_t{K} * 128 + 2048 * ks, K * 128), true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(acc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[4 * j] *= eg0;
+      acc[4 * j + 1] *= eg0;
+      acc[4 * j + 2] *= eg1;
+      acc[4 * j + 3] *= eg1;
     }
-    mma_rm<4, 8>(acc, pa, Vs + 64 * p, VP);
+    wgmma_fence_operand(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks)
+      wgmma_m64k16_ss<64, false, true, 1>(acc, sw128_desc(AttS + 32 * ks),
+                                          sw128_desc(Vs + p * Sm::kSlab + 2048 * ks, Sm::kSlab),
+                                          true);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operand(acc);
     if (i0 < len) {
       Out* op = o + ((cs.start + i0) * HV + hv) * V + 64 * p + 2 * qd;
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) store2(op + 8 * nt, scale * acc[nt][0], scale * acc[nt][1]);
+      for (int j = 0; j < 8; ++j) store2(op + 8 * j, scale * acc[4 * j], scale * acc[4 * j + 1]);
     }
     if (i1 < len) {
       Out* op = o + ((cs.start + i1) * HV + hv) * V + 64 * p + 2 * qd;
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) store2(op + 8 * nt, scale * acc[nt][2], scale * acc[nt][3]);
+      for (int j = 0; j < 8; ++j)
+        store2(op + 8 * j, scale * acc[4 * j + 2], scale * acc[4 * j + 3]);
     }
   }
 }

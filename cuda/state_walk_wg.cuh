@@ -46,21 +46,6 @@ struct WalkWgSmem {
   static constexpr size_t bytes = kUsed + 1024;  // the base is aligned up to 1024 in the kernel
 };
 
-// Byte offset of element (row, col) of a [rows][K] bf16 tile stored as 64-column swizzled slabs
-// of `rows` rows each.
-template <int Rows>
-__device__ __forceinline__ uint32_t slab_offset(int row, int col) {
-  return static_cast<uint32_t>((col / 64) * Rows * 128) + sw128_offset(row, col % 64);
-}
-
-// Element addresses of such a tile at base, for the *_tile_at loaders (fwd_common.cuh).
-template <int Rows>
-__device__ __forceinline__ auto slab_at(unsigned char* base) {
-  return [=](int row, int col) {
-    return reinterpret_cast<bf16*>(base + slab_offset<Rows>(row, col));
-  };
-}
-
 // f32 u staging [64][Cols]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
 // accumulator-layout float2 reads (rows g, columns 8 j + 2 q) hit 32 distinct banks.
 template <int Cols = 64>

@@ -27,6 +27,8 @@
 // tiles are overwritten.
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include <cstdint>
 
 namespace jax_cake_gdn {
@@ -46,6 +48,21 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo_bytes
   d |= static_cast<uint64_t>(1024 >> 4) << 32;                  // stride byte offset: 8 rows
   d |= static_cast<uint64_t>(1) << 62;                          // 128-byte swizzle
   return d;
+}
+
+// Byte offset of element (row, col) of a [rows][K] bf16 tile stored as 64-column swizzled slabs
+// of `rows` rows each.
+template <int Rows>
+__device__ __forceinline__ uint32_t slab_offset(int row, int col) {
+  return static_cast<uint32_t>((col / 64) * Rows * 128) + sw128_offset(row, col % 64);
+}
+
+// Element addresses of such a tile at base, for the *_tile_at loaders (fwd_common.cuh).
+template <int Rows>
+__device__ __forceinline__ auto slab_at(unsigned char* base) {
+  return [=](int row, int col) {
+    return reinterpret_cast<__nv_bfloat16*>(base + slab_offset<Rows>(row, col));
+  };
 }
 
 __device__ __forceinline__ void fence_proxy_async() {
