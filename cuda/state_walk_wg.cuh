@@ -112,6 +112,18 @@ __device__ __forceinline__ void wg_state_rw(float (&S)[K / 64][32], float* base,
       }
 }
 
+// A K x 64 slab of wg_write_sb to global rows of pitch V (bf16) with 16-byte stores, by the 128
+// threads of one warpgroup (t: the thread's index in it).
+template <int K>
+__device__ __forceinline__ void wg_copy_sb(const unsigned char* Sb, bf16* dst, int V, int t) {
+#pragma unroll 2
+  for (int n = 0; n < K * 8 / 128; ++n) {
+    const int i = t + n * 128, r = i / 8, cj = i % 8;
+    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * V + 8 * cj) =
+        *reinterpret_cast<const uint4*>(Sb + 128 * r + 16 * (cj ^ (r % 8)));
+  }
+}
+
 template <typename In, int K>
 __global__ void __launch_bounds__(kWgThreads, 3)
     state_walk_wg_kernel(const In* __restrict__ k, const bf16* __restrict__ w,
@@ -163,13 +175,7 @@ __global__ void __launch_bounds__(kWgThreads, 3)
 
   // h[c] = Sb with 16-byte stores (after a barrier that follows write_sb)
   auto copy_sb_to_h = [&](int c) {
-    bf16* dst = h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0;
-#pragma unroll 2
-    for (int n = 0; n < K * 8 / kWgThreads; ++n) {
-      const int i = tid + n * kWgThreads, r = i / 8, cj = i % 8;
-      *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * V + 8 * cj) =
-          *reinterpret_cast<const uint4*>(Sb + 128 * r + 16 * (cj ^ (r % 8)));
-    }
+    wg_copy_sb<K>(Sb, h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, V, tid);
   };
   // cp.async of chunk c's [64 x K] bf16 rows (zero beyond its length) into swizzled slabs
   using P = TilePieces<kChunk, K, kWgThreads>;

@@ -1,4 +1,5 @@
-// FFI handler of the backward state walk (kernel in walk_bwd.cuh):
+// FFI handler of the backward state walk (kernel in walk_bwd_wg.cuh, on wgmma; walk_bwd.cuh holds
+// the mma.sync kernel it replaces, kept until the wgmma one has run on a GPU, and the math):
 //
 //   jax_cake_gdn_walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len,
 //                         seg_first, seg_last, seg_len; scale)
@@ -10,17 +11,19 @@
 // rstd_q, rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K in {64, 128}, V in
 // {64, 128}.
 #include "fwd_args.cuh"
-#include "walk_bwd.cuh"
+#include "walk_bwd_wg.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_walk_bwd"
 
 namespace jax_cake_gdn {
 namespace {
 
-// The V columns per CTA the dispatch picks (walk_bwd.cuh): all of V, but 64 for f32 at K = V = 128.
-static_assert(walk_bwd_vt<bf16, 128, 128>() == 128 && walk_bwd_vt<bf16, 64, 128>() == 128 &&
-                  walk_bwd_vt<float, 64, 128>() == 128 && walk_bwd_vt<float, 128, 128>() == 64 &&
-                  walk_bwd_vt<bf16, 128, 64>() == 64 && walk_bwd_vt<float, 128, 64>() == 64,
+// The V columns per CTA the dispatch picks (walk_bwd_wg.cuh): all of V, but 64 for f32 at
+// K = V = 128.
+static_assert(walk_bwd_wg_vt<bf16, 128, 128>() == 128 && walk_bwd_wg_vt<bf16, 64, 128>() == 128 &&
+                  walk_bwd_wg_vt<float, 64, 128>() == 128 &&
+                  walk_bwd_wg_vt<float, 128, 128>() == 64 &&
+                  walk_bwd_wg_vt<bf16, 128, 64>() == 64 && walk_bwd_wg_vt<float, 128, 64>() == 64,
               "walk_bwd: unexpected VT choice");
 
 ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -77,24 +80,31 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
     dispatch_head_dim(K, [&](auto kdim) {
       constexpr int KD = decltype(kdim)::value;
       dispatch_head_dim(V, [&](auto vdim) {
-        // VT = V (one CTA per (segment, head)), except f32 at K = V = 128: VT = 64 (walk_bwd.cuh)
-        constexpr int VT = walk_bwd_vt<In, KD, decltype(vdim)::value>();
+        // VT = V (one CTA per (segment, head)), except f32 at K = V = 128: VT = 64
+        constexpr int VT = walk_bwd_wg_vt<In, KD, decltype(vdim)::value>();
+        using Sm = WalkBwdWgSmem<In, KD, VT>;
         const dim3 grid(static_cast<unsigned>(S * HV * (V / VT)));
-        err = launch(walk_bwd_kernel<In, KD, VT>, grid, wb_threads<VT>(),
-                     WalkBwdSmem<In, KD, VT>::bytes(has_scores), stream,
-                     static_cast<const In*>(q.untyped_data()),
-                     static_cast<const In*>(k.untyped_data()),
-                     static_cast<const bf16*>(w.untyped_data()), G.typed_data(),
-                     static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
-                     has_scores ? static_cast<const bf16*>(scores.untyped_data())
-                                : static_cast<const bf16*>(nullptr),
-                     has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
-                     has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                     chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                     seg_last.typed_data(), seg_len.typed_data(),
-                     static_cast<bf16*>(dS_end->untyped_data()),
-                     dh0->typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
-                     static_cast<int>(V), static_cast<int>(NC), scale);
+        auto run = [&](auto kernel, size_t smem) {
+          err = launch(kernel, grid, 2 * VT, smem, stream,
+                       static_cast<const In*>(q.untyped_data()),
+                       static_cast<const In*>(k.untyped_data()),
+                       static_cast<const bf16*>(w.untyped_data()), G.typed_data(),
+                       static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
+                       has_scores ? static_cast<const bf16*>(scores.untyped_data())
+                                  : static_cast<const bf16*>(nullptr),
+                       has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
+                       has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                       chunk_start.typed_data(), chunk_len.typed_data(),
+                       seg_first.typed_data(), seg_last.typed_data(), seg_len.typed_data(),
+                       static_cast<bf16*>(dS_end->untyped_data()), dh0->typed_data(), T,
+                       static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
+                       static_cast<int>(NC), scale);
+        };
+        if (has_scores) {
+          run(walk_bwd_wg_kernel<In, KD, VT, true>, Sm::bytes_scores);
+        } else {
+          run(walk_bwd_wg_kernel<In, KD, VT, false>, Sm::bytes_no_scores);
+        }
       });
     });
   });
