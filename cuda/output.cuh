@@ -10,8 +10,7 @@
 // into their slabs with cp.async. The products run on wgmma (one warpgroup; warp w holds output
 // rows 16w..16w+15); Att goes through a shared slab to Att v_new; o is produced in 64-column
 // panels. e^G multiplies the rows of Q h (never e^{-G}, which can overflow); Gam_ij =
-// exp(G_i - G_j) is evaluated for i >= j only. chunk_scores_part below (mma.sync) serves
-// walk_bwd.
+// exp(G_i - G_j) is evaluated for i >= j only (wg_gate_scores below, shared with the walks).
 #pragma once
 
 #include "fwd_common.cuh"
@@ -21,31 +20,38 @@ namespace jax_cake_gdn {
 
 constexpr int kOutThreads = 128;
 
-// Att rows 16rw..16rw+15, columns j0..j0+8NT-1: tril_incl(Gam o Q K^T), unscaled.
-// qa: Q row fragments of rows 16rw.. (bf16 Q tile, normalised by rstd_q); Ks: the bf16 K tile
-// (normalised by rstd_k, zero rows beyond the chunk), pitch ld; sg: G of the chunk's 64 rows
-// (rows beyond the chunk repeat its last G). Each element's mma sequence (over k) and mask do not
-// depend on the column split, so every split builds bit-identical scores. Used by walk_bwd (and
-// the mma.sync walk_output of state_walk.cuh); the wgmma kernels apply the same mask and gate
-// element by element.
-template <int KS, int NT>
-__device__ __forceinline__ void chunk_scores_part(float (&att)[NT][4],
-                                                  const uint32_t (&qa)[KS][4], const bf16* Ks,
-                                                  int ld, const float* sg, int rw, int j0) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, qd = lane & 3;
-  zero_acc(att);
-  mma_rt<KS, NT>(att, qa, Ks + j0 * ld, ld);
-  const int i0 = 16 * rw + g, i1 = i0 + 8;
-  const float gi0 = sg[i0], gi1 = sg[i1];
+// Att = tril_incl(Gam o Q K^T), unscaled, on a 64 x 64 wgmma accumulator holding Q K^T (warp wq
+// of its warpgroup: rows 16 wq + g + 8 (e / 2), columns 8 j + 2 q + e % 2 of att[4 j + e]):
+// e^{G_i - G_j} times the product for j <= i, else 0 (never e^{-G}). sg: G of the chunk's 64 rows
+// (rows beyond the chunk repeat its last G). Every kernel that builds Att (output, walk_output,
+// walk_bwd) does it here, so they agree bit for bit.
+__device__ __forceinline__ void wg_gate_scores(float (&att)[32], const float* sg, int wq) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
+  for (int half = 0; half < 2; ++half) {
+    const int i = 16 * wq + g + 8 * half;
+    const float gi = sg[i];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = (e >> 1) ? i1 : i0, j = j0 + 8 * nt + 2 * qd + (e & 1);
-      const float gi = (e >> 1) ? gi1 : gi0;
-      att[nt][e] = j <= i ? __expf(gi - sg[j]) * att[nt][e] : 0.f;
-    }
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int jj = 8 * j + 2 * q + e;
+        float& a = att[4 * j + 2 * half + e];
+        a = jj <= i ? __expf(gi - sg[jj]) * a : 0.f;
+      }
   }
+}
+
+// A 64 x 64 accumulator (the layout above) as bf16 into a swizzled slab (row r, column c at
+// sw128_offset(r, c)): the K-major A operand of Att v_new, or an MN-major one for Att^T.
+__device__ __forceinline__ void wg_store_slab64(const float (&x)[32], unsigned char* slab, int wq) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      *reinterpret_cast<uint32_t*>(slab + sw128_offset(16 * wq + g + 8 * half, 8 * j + 2 * q)) =
+          pack_bf16(x[4 * j + 2 * half], x[4 * j + 2 * half + 1]);
 }
 
 template <int K>
@@ -64,10 +70,10 @@ struct OutputSmem {
 };
 
 // One warpgroup per (chunk, value head), on wgmma (wgmma.cuh): Q, K, h, v_new and Att as 128-byte
-// swizzled slabs; Att = Q K^T (m64n64, K / 16 k-steps) with chunk_scores_part's mask and gate
-// applied element by element; per 64-column panel p of V, o = e^G (Q h_p) + Att v_new_p. Every
-// operand and every accumulator's k16 steps are those of the mma.sync kernel this replaces (and of
-// walk_output), in the same order from zero, so o and the scores are expected bit for bit equal.
+// swizzled slabs; Att = Q K^T (m64n64, K / 16 k-steps) gated by wg_gate_scores; per 64-column
+// panel p of V, o = e^G (Q h_p) + Att v_new_p. Every operand and every accumulator's k16 steps
+// are those of the mma.sync kernel this replaced (and of walk_output), in the same order from
+// zero, so o and the scores are expected bit for bit equal to it.
 // (min 1 CTA/SM in the bounds; 89 KB of shared memory at K = V = 128: 2 CTAs/SM)
 template <typename In, typename Out, int K>
 __global__ void __launch_bounds__(kOutThreads, 1)
@@ -80,8 +86,7 @@ __global__ void __launch_bounds__(kOutThreads, 1)
                   int64_t num_tokens, int H, int HV, int V, float scale) {
   using Sm = OutputSmem<K>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  unsigned char* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
+  unsigned char* smem = align_1024(smem_raw);
   unsigned char* Qs = smem + Sm::oQs;
   unsigned char* Ks = smem + Sm::oKs;
   unsigned char* AttS = smem + Sm::oAtt;
@@ -139,25 +144,20 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operand(att);
+  wg_gate_scores(att, sg, warp);
+  wg_store_slab64(att, AttS, warp);
   const int i0 = 16 * warp + g, i1 = i0 + 8;
-  const float gi0 = sg[i0], gi1 = sg[i1];
-  bf16* sp = scores == nullptr
-                 ? nullptr
-                 : scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
+  if (scores != nullptr) {
+    bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = half ? i1 : i0, jj = 8 * j + 2 * qd;
-      const float gi = half ? gi1 : gi0;
-      const float a0 = jj <= i ? __expf(gi - sg[jj]) * att[4 * j + 2 * half] : 0.f;
-      const float a1 = jj + 1 <= i ? __expf(gi - sg[jj + 1]) * att[4 * j + 2 * half + 1] : 0.f;
-      if (sp != nullptr) store2(sp + i * kChunk + jj, a0, a1);
-      *reinterpret_cast<uint32_t*>(AttS + sw128_offset(i, jj)) = pack_bf16(a0, a1);
+    for (int j = 0; j < 8; ++j) {
+      store2(sp + i0 * kChunk + 8 * j + 2 * qd, att[4 * j], att[4 * j + 1]);
+      store2(sp + i1 * kChunk + 8 * j + 2 * qd, att[4 * j + 2], att[4 * j + 3]);
     }
+  }
   fence_proxy_async();
   __syncthreads();  // Att complete
-  const float eg0 = __expf(gi0), eg1 = __expf(gi1);
+  const float eg0 = __expf(sg[i0]), eg1 = __expf(sg[i1]);
 
   for (int p = 0; p < V / 64; ++p) {
     float acc[32];

@@ -1,4 +1,5 @@
-// FFI handlers of the state walk and of the fused walk + output (kernel in state_walk.cuh):
+// FFI handlers of the state walk (kernel in state_walk_wg.cuh) and of the fused walk + output
+// (walk_output_wg.cuh), both on Hopper wgmma:
 //
 //   jax_cake_gdn_state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
 //                           seg_len) -> h bf16[NC, HV, K, V], v_new bf16[T, HV, V],
@@ -14,12 +15,10 @@
 //                                                        type chooses), final f32[S, HV, K, V]
 //
 // The light forward's walk: o = output(state_walk(...)) with h and v_new kept on chip. q, k: same
-// shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch: one CTA of V / 16
-// warps per (segment, value head), grid S x HV (segment-major, in the table's segment order); the
-// state walk runs 4-warp CTAs per (segment, value head, 64-column V tile): on wgmma for bf16 k
-// (state_walk_wg.cuh), on mma.sync for f32 k (state_walk.cuh).
+// shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch: one CTA of V / 64
+// warpgroups per (segment, value head), grid S x HV (segment-major, in the table's segment
+// order); the state walk runs one warpgroup per (segment, value head, 64-column V tile).
 #include "fwd_args.cuh"
-#include "state_walk.cuh"
 #include "state_walk_wg.cuh"
 #include "walk_output_wg.cuh"
 
@@ -54,7 +53,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
                                seg_len.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
-  JCG_CHECK_ARG(S * HV * (V / kWalkVT) < (int64_t{1} << 31), "S * HV too large");
+  JCG_CHECK_ARG(S * HV * (V / kWgVT) < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
                 "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions()));
   JCG_CHECK_ARG(dims_are(h->dimensions(), {NC, HV, K, V}),
@@ -72,34 +71,18 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
     using In = typename decltype(tag)::type;
     dispatch_head_dim(K, [&](auto kdim) {
       constexpr int KD = decltype(kdim)::value;
-      const dim3 grid(static_cast<unsigned>(S * HV * (V / kWalkVT)));
-      if constexpr (std::is_same_v<In, bf16>) {  // bf16 k: the wgmma walk (state_walk_wg.cuh)
-        err = launch(state_walk_wg_kernel<In, KD>, grid, kWgThreads, WalkWgSmem<KD>::bytes,
-                     stream, static_cast<const In*>(k.untyped_data()),
-                     static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
-                     h0.typed_data(),
-                     has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                     chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                     seg_last.typed_data(), seg_len.typed_data(),
-                     static_cast<bf16*>(h->untyped_data()),
-                     static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T,
-                     static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
-                     static_cast<int>(NC));
-      } else {
-        err = launch(state_walk_kernel<In, KD>, grid, kWalkThreads, WalkSmem<In, KD>::bytes, stream,
-                     static_cast<const In*>(k.untyped_data()),
-                     static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
-                     h0.typed_data(),
-                     has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                     chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                     seg_last.typed_data(), seg_len.typed_data(),
-                     static_cast<bf16*>(h->untyped_data()),
-                     static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T,
-                     static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
-                     static_cast<int>(NC),
-                     static_cast<const In*>(nullptr), static_cast<const float*>(nullptr),
-                     static_cast<float*>(nullptr), 1.f);
-      }
+      const dim3 grid(static_cast<unsigned>(S * HV * (V / kWgVT)));
+      err = launch(state_walk_wg_kernel<In, KD>, grid, kWgThreads, WalkWgSmem<In, KD>::bytes,
+                   stream, static_cast<const In*>(k.untyped_data()),
+                   static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
+                   h0.typed_data(),
+                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                   chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
+                   seg_last.typed_data(), seg_len.typed_data(),
+                   static_cast<bf16*>(h->untyped_data()),
+                   static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T,
+                   static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
+                   static_cast<int>(NC));
     });
   });
   JCG_CHECK_CUDA(err);

@@ -3,8 +3,8 @@
 //
 //   h[c] = S;   v_new = u - w S;   S <- e^{G_C} S + (K e^{G_C - G})^T v_new
 //
-// One CTA = one warpgroup (4 warps) per (segment, value head, V tile of 64), the grid of the
-// mma.sync walk (state_walk.cuh), bf16 k only (f32 k runs that walk). The K x 64 f32 state lives
+// One CTA = one warpgroup (4 warps) per (segment, value head, V tile of 64), V tiles of one
+// (segment, head) adjacent (they read the same w, k: L2 hits). The K x 64 f32 state lives
 // in registers as K / 64 wgmma accumulators of 64 x 64 (rows: key index k, columns: value
 // column v; warp w holds rows 16 w.. of each, wgmma.cuh). Per chunk:
 //   Sb = bf16(S)                       (shared, MN-major B; also the h tape, copied out with
@@ -13,15 +13,16 @@
 //   Vn = bf16(v_new)                   (shared, MN-major B; v_new to global)
 //   product 2: S = e^{G_C} S + Kd^T Vn (per 64-row block of S: m64n64, 4 steps; A = Kd MN-major)
 // Operand tiles are 128-byte swizzled slabs (wgmma.cuh): w and k land by cp.async straight into
-// their slabs ([token][key]: K-major for w, MN-major for Kd); k is scaled in place to
-// k rstd e^{G_C - G} before product 2 (each thread its own pieces). u, G, rstd go through staging.
-// Every operand value is the one the mma.sync walk uses (bf16 w, bf16(S), bf16(v_new), bf16 of
-// the scaled k; -w S as (-w) S instead of w (-S): the same products) and the k16 steps accumulate
-// in the same order from the same start: on the H200 the h tape, v_new and the final state are
-// bitwise equal to the mma.sync walk's (tests/test_cuda_fwd.py compares walk_output, which runs
-// that walk, with this one + output).
+// their slabs ([token][key]: K-major for w, MN-major for Kd); bf16 k is scaled in place to
+// k rstd e^{G_C - G} before product 2 (each thread its own pieces), f32 k is staged and converted
+// there. u, G, rstd go through staging.
+// Every operand value is the one the former mma.sync walk used (bf16 w, bf16(S), bf16(v_new),
+// bf16 of the scaled k; -w S as (-w) S instead of w (-S): the same products) and the k16 steps
+// accumulate in the same order from the same start: on the H200 the h tape, v_new and the final
+// state were bitwise equal to that walk's (bf16 k).
 // Shared memory (K = 128): w 16 KB, Kd 16 KB, Sb 16 KB, Vn 8 KB, u staging 16 KB (f32, 16-byte
-// pieces swizzled), G / rstd 1 KB, + 1 KB for 1024-byte alignment: 74 KB, 3 CTAs per SM.
+// pieces swizzled), G / rstd 1 KB, + 1 KB for 1024-byte alignment: 74 KB, 3 CTAs per SM (f32 k:
+// + 32 KB of staging, 2 CTAs).
 #pragma once
 
 #include <type_traits>
@@ -32,8 +33,9 @@
 namespace jax_cake_gdn {
 
 constexpr int kWgThreads = 128;
+constexpr int kWgVT = 64;  // V columns per CTA of the state walk
 
-template <int K>
+template <typename In, int K>
 struct WalkWgSmem {
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t oWs = 0;                         // K / 64 slabs [token][key]
@@ -42,8 +44,10 @@ struct WalkWgSmem {
   static constexpr size_t oVn = oSb + size_t{K} * 128;     // one slab [token][v]
   static constexpr size_t oStU = oVn + kSlab;              // f32 [64][64]
   static constexpr size_t oStG = oStU + size_t{kChunk} * 64 * sizeof(float);
-  static constexpr size_t kUsed = oStG + 2 * 2 * kChunk * sizeof(float);  // G, rstd x 2 chunks
-  static constexpr size_t bytes = kUsed + 1024;  // the base is aligned up to 1024 in the kernel
+  static constexpr size_t oStK = oStG + 2 * 2 * kChunk * sizeof(float);  // G, rstd x 2 chunks
+  // f32 k goes through staging (bf16 k lands in Kd itself)
+  static constexpr size_t kStK = std::is_same_v<In, bf16> ? 0 : size_t{kChunk} * K * sizeof(In);
+  static constexpr size_t bytes = oStK + kStK + 1024;  // the base is aligned up to 1024
 };
 
 // f32 u staging [64][Cols]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
@@ -124,6 +128,58 @@ __device__ __forceinline__ void wg_copy_sb(const unsigned char* Sb, bf16* dst, i
   }
 }
 
+// A per-row f32 vector of a chunk: row t is src[(start + t) * stride + col] (src may be null: the
+// vector is absent and not loaded).
+struct RowVector {
+  float* dst;
+  const float* src;
+  int64_t stride, col;
+};
+
+// cp.async of a chunk's row vectors into shared memory (rows >= len zero); vector n is issued by
+// the threads of 64-thread group n % (Threads / 64), one row each.
+template <int Threads, int N>
+__device__ __forceinline__ void cp_async_row_vectors(const RowVector (&v)[N], int64_t start,
+                                                     int len) {
+  static_assert(Threads % kChunk == 0, "whole 64-thread groups");
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const int t = static_cast<int>(threadIdx.x) - (n % (Threads / kChunk)) * kChunk;
+    if (t >= 0 && t < kChunk && v[n].src != nullptr) {
+      const bool ok = t < len;
+      cp_async4(v[n].dst + t, ok ? v[n].src + (start + t) * v[n].stride + v[n].col : v[n].src,
+                ok);
+    }
+  }
+}
+
+// S *= e (the decay of a chunk), before the wgmma fence of an update.
+template <int K>
+__device__ __forceinline__ void wg_scale_state(float (&S)[K / 64][32], float e) {
+#pragma unroll
+  for (int b = 0; b < K / 64; ++b) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) S[b][i] *= e;
+    wgmma_fence_operand(S[b]);
+  }
+}
+
+// Issues S[b] += A_b^T B for the 64-key blocks b of a K x 64 state (4 k-steps over the chunk's
+// tokens): A = a [64 tokens][K keys] tile as K / 64 slabs, each an MN-major A; B = a
+// [64 tokens][64] slab, MN-major. The caller fences before and commits / waits after.
+template <int K>
+__device__ __forceinline__ void wg_issue_state_update(float (&S)[K / 64][32],
+                                                      const unsigned char* A,
+                                                      const unsigned char* B) {
+  constexpr uint32_t kSlab = kChunk * 128;
+#pragma unroll
+  for (int b = 0; b < K / 64; ++b)
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks)
+      wgmma_m64k16_ss<64, true, true, 1>(S[b], sw128_desc(A + b * kSlab + 2048 * ks, kSlab),
+                                         sw128_desc(B + 2048 * ks, kSlab), true);
+}
+
 template <typename In, int K>
 __global__ void __launch_bounds__(kWgThreads, 3)
     state_walk_wg_kernel(const In* __restrict__ k, const bf16* __restrict__ w,
@@ -135,18 +191,18 @@ __global__ void __launch_bounds__(kWgThreads, 3)
                          bf16* __restrict__ h, bf16* __restrict__ v_new,
                          float* __restrict__ final_state, int64_t num_tokens, int H, int HV, int V,
                          int NC) {
-  static_assert(std::is_same_v<In, bf16>, "the wgmma walk takes bf16 k");
   static_assert(K == 64 || K == 128, "K = 64 or 128");
-  using Sm = WalkWgSmem<K>;
+  constexpr bool kInPlace = std::is_same_v<In, bf16>;
+  using Sm = WalkWgSmem<In, K>;
   constexpr int VT = 64;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  unsigned char* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
+  unsigned char* smem = align_1024(smem_raw);
   unsigned char* Ws = smem + Sm::oWs;
   unsigned char* Kd = smem + Sm::oKd;
   unsigned char* Sb = smem + Sm::oSb;
   unsigned char* Vn = smem + Sm::oVn;
   float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
+  In* stK = reinterpret_cast<In*>(smem + Sm::oStK);  // f32 k only
   float* stG0 = reinterpret_cast<float*>(smem + Sm::oStG);  // chunk c: G at stG0 + (c & 1) * 128,
                                                             // rstd 64 after it
 
@@ -186,8 +242,13 @@ __global__ void __launch_bounds__(kWgThreads, 3)
   };
   auto prefetch_k = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    cp_async_tile_at<kChunk, K, kWgThreads, false>(
-        slab_at<kChunk>(Kd), k + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
+    if constexpr (kInPlace) {
+      cp_async_tile_at<kChunk, K, kWgThreads, false>(
+          slab_at<kChunk>(Kd), k + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
+    } else {
+      cp_async_tile<kChunk, K, kWgThreads, false>(stK, K, k + (cs.start * H + hk) * K,
+                                                  int64_t{H} * K, cs.len);
+    }
   };
   auto prefetch_rows = [&](int c) {  // u tile, G, rstd
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
@@ -200,14 +261,8 @@ __global__ void __launch_bounds__(kWgThreads, 3)
       const bool ok = t < cs.len;
       cp_async16(stU + ustage_index(t, c4), ok ? src + t * (int64_t{HV} * V) + c4 : src, ok);
     }
-    if (tid < kChunk) {
-      const bool ok = tid < cs.len;
-      cp_async4(stG + tid, ok ? G + (cs.start + tid) * HV + hv : G, ok);
-    } else if (rstd != nullptr) {
-      const int t = tid - kChunk;
-      const bool ok = t < cs.len;
-      cp_async4(stR + t, ok ? rstd + (cs.start + t) * H + hk : rstd, ok);
-    }
+    const RowVector rows[2] = {{stG, G, HV, hv}, {stR, rstd, H, hk}};
+    cp_async_row_vectors<kWgThreads>(rows, cs.start, cs.len);
   };
 
   // Commit groups per chunk c: k(c) at the top; u / G / rstd of c + 1 once the staging is read;
@@ -260,19 +315,26 @@ __global__ void __launch_bounds__(kWgThreads, 3)
         if (t < len) store2(v_new + ((cs.start + t) * HV + hv) * V + v0 + vc, x0, x1);
         *reinterpret_cast<uint32_t*>(Vn + sw128_offset(t, vc)) = pack_bf16(x0, x1);
       }
-    // k(c) has landed in Kd: scale this thread's pieces to k rstd e^{G_C - G} (rows >= len stay 0)
+    // k(c) has landed (in Kd, or f32 in staging): Kd = k rstd e^{G_C - G}, rows >= len 0, each
+    // thread its own pieces
     cp_async_wait<1>();
     {
       const int t0 = P::row0(), col = P::col();
 #pragma unroll 2
       for (int j = 0; j < P::kPer; ++j) {
         const int t = t0 + j * P::kRowStep;
-        if (t < len) {
-          bf16* p = reinterpret_cast<bf16*>(Kd + slab_offset<kChunk>(t, col));
-          float f[8];
-          lds8(p, f);
+        bf16* p = reinterpret_cast<bf16*>(Kd + slab_offset<kChunk>(t, col));
+        float f[8];
+        if constexpr (kInPlace) {
+          if (t < len) {  // (rows >= len: zero from the copy)
+            lds8(p, f);
+            const float r = rstd != nullptr ? stR[t] : 1.f;
+            sts8_bf16(p, f, r * __expf(GC - stG[t]));
+          }
+        } else {
+          lds8(stK + t * K + col, f);  // rows >= len are zero
           const float r = rstd != nullptr ? stR[t] : 1.f;
-          sts8_bf16(p, f, r * __expf(GC - stG[t]));
+          sts8_bf16(p, f, t < len ? r * __expf(GC - stG[t]) : 0.f);
         }
       }
     }
@@ -281,21 +343,10 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     if (c < c_last) prefetch_w(c + 1);
     cp_async_commit();
 
-    // product 2: S = e^{G_C} S + Kd^T Vn, per 64-key block b
-#pragma unroll
-    for (int b = 0; b < K / 64; ++b) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) S[b][i] *= eGC;
-      wgmma_fence_operand(S[b]);
-    }
+    // product 2: S = e^{G_C} S + Kd^T Vn
+    wg_scale_state<K>(S, eGC);
     wgmma_fence();
-#pragma unroll
-    for (int b = 0; b < K / 64; ++b)
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_m64k16_ss<64, true, true, 1>(
-            S[b], sw128_desc(Kd + b * Sm::kSlab + 2048 * ks, Sm::kSlab),
-            sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
+    wg_issue_state_update<K>(S, Kd, Vn);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll

@@ -1,5 +1,4 @@
-// FFI handler of the backward state walk (kernel in walk_bwd_wg.cuh, on wgmma; walk_bwd.cuh holds
-// the mma.sync kernel it replaces, kept until the wgmma one has run on a GPU, and the math):
+// FFI handler of the backward state walk (kernel in walk_bwd_wg.cuh, on wgmma):
 //
 //   jax_cake_gdn_walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len,
 //                         seg_first, seg_last, seg_len; scale)

@@ -1,4 +1,4 @@
-// The backward state walk (walk_bwd.cuh has the math) on Hopper warpgroup MMA. Per segment and
+// The backward state walk (primitives/xla.py: walk_bwd) on Hopper warpgroup MMA. Per segment and
 // value head (and VT-wide column tile), in REVERSE chunk order, with dS (K x VT, f32):
 //
 //   dS_end[c] = dS;   dv_local = scale Att^T dO;   dvn = dv_local + diag(e^{G_C - G}) K dS
@@ -10,14 +10,17 @@
 //   top: w(c) by cp.async straight into its slab; staged q, k, dO (and the saved scores) ->
 //        Qs = q rstd_q, Ks = k rstd_k, dOs = scale dO, dOg = scale e^G dO, Att; Sb = bf16(dS)
 //        (and dS_end[c] from it)
-//   Att (kScores = false): Qs Ks^T on every warpgroup, masked and gated as chunk_scores_part
-//        by warpgroup 0 into the Att slab
+//   Att (kScores = false): Qs Ks^T on every warpgroup, gated by warpgroup 0 (wg_gate_scores,
+//        output.cuh) into the Att slab; with saved scores (the output kernel's) copied instead
 //   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);  -dvn = -(e^{G_C - G} acc + dvl) -> Dvn slab
 //   dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn     (A MN-major from the [token][key] slabs)
-// Every operand and every accumulator's k16 steps are the mma.sync kernel's (walk_bwd.cuh), in
-// the same order from the same start, so dS_end and dh0 are expected bit for bit equal to it.
+// Every operand and every accumulator's k16 steps are the former mma.sync kernel's, in the same
+// order from the same start, so dS_end and dh0 are expected bit for bit equal to it. Unused
+// chunks (after every segment's chunks) get dS_end = 0, as the xla reverse scan gives. dS_end is
+// bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
 #pragma once
 
+#include "output.cuh"
 #include "state_walk_wg.cuh"
 
 namespace jax_cake_gdn {
@@ -71,8 +74,7 @@ __global__ void __launch_bounds__(2 * VT, 1)
   static_assert(Sm::fits, "walk_bwd_wg: shared memory over the sm_90 limit");
   constexpr int kThreads = 2 * VT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  unsigned char* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
+  unsigned char* smem = align_1024(smem_raw);
   unsigned char* Ws = smem + Sm::oWs;
   unsigned char* Qs = smem + Sm::oQs;
   unsigned char* Ks = smem + Sm::oKs;
@@ -135,18 +137,8 @@ __global__ void __launch_bounds__(2 * VT, 1)
       for (int idx = tid; idx < kChunk * kChunk / 8; idx += kThreads)
         cp_async16(stA + 8 * idx, sp + 8 * idx, true);
     }
-#pragma unroll 1
-    for (int i = tid; i < 3 * kChunk; i += kThreads) {
-      const int which = i / kChunk, t = i % kChunk;
-      const bool ok = t < cs.len;
-      if (which == 0) {
-        cp_async4(stG + t, ok ? G + (cs.start + t) * HV + hv : G, ok);
-      } else if (which == 1 && rstd_q != nullptr) {
-        cp_async4(stRq + t, ok ? rstd_q + (cs.start + t) * H + hk : rstd_q, ok);
-      } else if (which == 2 && rstd_k != nullptr) {
-        cp_async4(stRk + t, ok ? rstd_k + (cs.start + t) * H + hk : rstd_k, ok);
-      }
-    }
+    const RowVector rows[3] = {{stG, G, HV, hv}, {stRq, rstd_q, H, hk}, {stRk, rstd_k, H, hk}};
+    cp_async_row_vectors<kThreads>(rows, cs.start, cs.len);
   };
 
   // Commit groups per chunk c: w(c) at the top (waited for before the last product); the rows of
@@ -162,7 +154,7 @@ __global__ void __launch_bounds__(2 * VT, 1)
 
     const float GC = len > 0 ? stG[len - 1] : 0.f;
     const float eGC = __expf(GC);
-    // staging -> slabs (walk_bwd.cuh's roundings)
+    // staging -> slabs (q, k x rstd; dO x scale, and x scale e^G)
     {
       using PK = TilePieces<kChunk, K, kThreads>;
       const int tk = PK::row0(), ck = PK::col();
@@ -234,18 +226,9 @@ __global__ void __launch_bounds__(2 * VT, 1)
     wgmma_fence_operand(acc);
     if constexpr (!kScores) {
       wgmma_fence_operand(att);
-      if (wg == 0) {  // the mask and Gam (chunk_scores_part, element by element)
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int i = 16 * wq + g + 8 * half, jj = 8 * j + 2 * qd;
-            const float gi = sG[i];
-            const float a0 = jj <= i ? __expf(gi - sG[jj]) * att[4 * j + 2 * half] : 0.f;
-            const float a1 =
-                jj + 1 <= i ? __expf(gi - sG[jj + 1]) * att[4 * j + 2 * half + 1] : 0.f;
-            *reinterpret_cast<uint32_t*>(AttS + sw128_offset(i, jj)) = pack_bf16(a0, a1);
-          }
+      if (wg == 0) {  // the mask and Gam, into the Att slab
+        wg_gate_scores(att, sG, wq);
+        wg_store_slab64(att, AttS, wq);
       }
       fence_proxy_async();
       __syncthreads();  // Att complete
@@ -280,27 +263,11 @@ __global__ void __launch_bounds__(2 * VT, 1)
     fence_proxy_async();
     __syncthreads();  // Dvn, Ws complete
 
-    // dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn (per 64-key block b; dOg's 4 steps, then Dvn's)
-#pragma unroll
-    for (int b = 0; b < K / 64; ++b) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) S[b][i] *= eGC;
-      wgmma_fence_operand(S[b]);
-    }
+    // dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn (each accumulator: dOg's 4 steps, then Dvn's)
+    wg_scale_state<K>(S, eGC);
     wgmma_fence();
-#pragma unroll
-    for (int b = 0; b < K / 64; ++b) {
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_m64k16_ss<64, true, true, 1>(
-            S[b], sw128_desc(Qs + b * Sm::kSlab + 2048 * ks, Sm::kSlab),
-            sw128_desc(DOg + 2048 * ks, Sm::kSlab), true);
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_m64k16_ss<64, true, true, 1>(
-            S[b], sw128_desc(Ws + b * Sm::kSlab + 2048 * ks, Sm::kSlab),
-            sw128_desc(Dvn + 2048 * ks, Sm::kSlab), true);
-    }
+    wg_issue_state_update<K>(S, Qs, DOg);
+    wg_issue_state_update<K>(S, Ws, Dvn);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll

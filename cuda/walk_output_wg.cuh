@@ -10,17 +10,18 @@
 //   top: staged k, q -> Kd = k rstd e^{G_C - G}, Ks = k rstd, Qs = q rstd_q (swizzled slabs,
 //        every thread its pieces); Sb = bf16(S); the product-1 accumulator = u
 //   Att: Qs Ks^T, 8 k-steps (every warpgroup: a wgmma under a branch is serialized by ptxas),
-//        then warpgroup 0 applies the mask and Gam = e^{G_i - G_j} -> bf16 slab
+//        then warpgroup 0 gates it (wg_gate_scores, output.cuh) into a bf16 slab
 //   product 1: v_new = u - Ws Sb;  oacc = Qs Sb       (per warpgroup, 8 k-steps each)
 //   Vn = bf16(v_new);  oacc = e^G oacc + Att Vn;  S = e^{G_C} S + Kd^T Vn;  o = scale oacc
-// Every operand and every k16 step is the mma.sync walk's (state_walk.cuh, kOutput) in the same
-// order from the same start, so o and the final state are expected bit for bit equal to it (the
-// wgmma state walk is, on the H200).
+// Every operand and every k16 step is the former mma.sync walk_output's, in the same order from
+// the same start, so o and the final state are expected bit for bit equal to it (the wgmma state
+// walk was, on the H200).
 // Shared memory (K = V = 128, bf16 q / k): w, Kd, Q, K slabs 16 KB each, Sb 2 x 16 KB, Vn
 // 2 x 8 KB, Att 8 KB, u staging 32 KB, k and q staging 16 KB each, rows 1 KB, + 1 KB alignment:
 // 186 KB (f32 q / k: 218 KB), 1 CTA of 8 warps per SM.
 #pragma once
 
+#include "output.cuh"
 #include "state_walk_wg.cuh"
 
 namespace jax_cake_gdn {
@@ -68,8 +69,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   using Sm = WalkOutWgSmem<In, K, V>;
   constexpr int kThreads = walk_output_wg_threads<V>();
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  unsigned char* smem = smem_raw + ((1024 - (raw & 1023)) & 1023);
+  unsigned char* smem = align_1024(smem_raw);
   unsigned char* Ws = smem + Sm::oWs;
   unsigned char* Kd = smem + Sm::oKd;
   unsigned char* Qs = smem + Sm::oQs;
@@ -122,18 +122,8 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
       const bool ok = t < cs.len;
       cp_async16(stU + ustage_index<V>(t, c4), ok ? src + t * (int64_t{HV} * V) + c4 : src, ok);
     }
-#pragma unroll 1
-    for (int i = tid; i < 3 * kChunk; i += kThreads) {
-      const int which = i / kChunk, t = i % kChunk;
-      const bool ok = t < cs.len;
-      if (which == 0) {
-        cp_async4(stG + t, ok ? G + (cs.start + t) * HV + hv : G, ok);
-      } else if (which == 1 && rstd != nullptr) {
-        cp_async4(stR + t, ok ? rstd + (cs.start + t) * H + hk : rstd, ok);
-      } else if (which == 2 && rstd_q != nullptr) {
-        cp_async4(stRq + t, ok ? rstd_q + (cs.start + t) * H + hk : rstd_q, ok);
-      }
-    }
+    const RowVector rows[3] = {{stG, G, HV, hv}, {stR, rstd, H, hk}, {stRq, rstd_q, H, hk}};
+    cp_async_row_vectors<kThreads>(rows, cs.start, cs.len);
   };
 
   // Commit groups per chunk c: the rows of c + 1 once the staging is converted; w of c + 1 once
@@ -149,7 +139,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
 
     const float GC = len > 0 ? stG[len - 1] : 0.f;
     const float eGC = __expf(GC);
-    // staged k, q -> Kd, Ks, Qs slabs (as state_walk.cuh's kOutput tiles: x rstd, zero beyond len)
+    // staged k, q -> Kd, Ks, Qs slabs (x rstd; Kd x e^{G_C - G}, zero beyond len)
     {
       const int t0 = P::row0(), col = P::col();
 #pragma unroll 2
@@ -201,24 +191,11 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     wgmma_fence_operand(oacc);
     wgmma_fence_operand(acc);
 
-    if (wg == 0) {  // the mask and Gam (output.cuh's chunk_scores_part, element by element)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = 16 * wq + g + 8 * half, jj = 8 * j + 2 * q;
-          const float gi = sG[i];
-          const float a0 = jj <= i ? __expf(gi - sG[jj]) * att[4 * j + 2 * half] : 0.f;
-          const float a1 = jj + 1 <= i ? __expf(gi - sG[jj + 1]) * att[4 * j + 2 * half + 1] : 0.f;
-          *reinterpret_cast<uint32_t*>(AttS + sw128_offset(i, jj)) = pack_bf16(a0, a1);
-        }
+    if (wg == 0) {  // the mask and Gam, into the Att slab
+      wg_gate_scores(att, sG, wq);
+      wg_store_slab64(att, AttS, wq);
     }
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        *reinterpret_cast<uint32_t*>(Vn + sw128_offset(16 * wq + g + 8 * half, 8 * j + 2 * q)) =
-            pack_bf16(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+    wg_store_slab64(acc, Vn, wq);
     fence_proxy_async();
     __syncthreads();  // Att and Vn complete; every warpgroup is done with Ws
     if (c < c_last) prefetch_w(c + 1);
@@ -234,25 +211,14 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
         oacc[4 * j + 2 * half + 1] *= eg;
       }
     }
-#pragma unroll
-    for (int b = 0; b < K / 64; ++b) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) S[b][i] *= eGC;
-      wgmma_fence_operand(S[b]);
-    }
+    wg_scale_state<K>(S, eGC);
     wgmma_fence_operand(oacc);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
       wgmma_m64k16_ss<64, false, true, 1>(oacc, sw128_desc(AttS + 32 * ks),
                                           sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
-#pragma unroll
-    for (int b = 0; b < K / 64; ++b)
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_m64k16_ss<64, true, true, 1>(
-            S[b], sw128_desc(Kd + b * Sm::kSlab + 2048 * ks, Sm::kSlab),
-            sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
+    wg_issue_state_update<K>(S, Kd, Vn);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(oacc);

@@ -65,6 +65,13 @@ __device__ __forceinline__ auto slab_at(unsigned char* base) {
   };
 }
 
+// The first 1024-byte aligned address at or after p in shared memory (slabs must start there:
+// the swizzle acts on address bits); dynamic shared memory sizes add 1 KB for it.
+__device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return p + ((1024 - (a & 1023)) & 1023);
+}
+
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
