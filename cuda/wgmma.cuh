@@ -98,12 +98,14 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define JCG_WGMMA_D32                                                                        \
+#define JCG_WGMMA_D16                                                                        \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
       "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),         \
-      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),         \
-      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      "+f"(d[14]), "+f"(d[15])
+#define JCG_WGMMA_D32_HI                                                                     \
+  "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),             \
+      "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),         \
+      "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define JCG_WGMMA_D64_HI                                                                     \
   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),             \
       "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),         \
@@ -112,23 +114,33 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[R]) {
       "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),         \
       "+f"(d[62]), "+f"(d[63])
 
-// D[64 x N] (+)= kScaleA A[64 x 16] B[16 x N], N in {64, 128}: bf16 A and B from shared memory by
-// descriptor (K-major, or MN-major with kMnA / kMnB: A stored [K][M], M contiguous, with the same
-// slab layout as an MN-major B), f32 D in registers (the accumulator layout above). kScaleA = -1
+// D[64 x N] (+)= kScaleA A[64 x 16] B[16 x N], N in {32, 64, 128}: bf16 A and B from shared
+// memory by descriptor (K-major, or MN-major with kMnA / kMnB: A stored [K][M], M contiguous,
+// with the same slab layout as an MN-major B; an N = 32 block may start inside a slab: +64 bytes
+// MN-major, +32 rows K-major), f32 D in registers (the accumulator layout above). kScaleA = -1
 // negates A (exact). accumulate = false overwrites D.
 template <int N, bool kMnA, bool kMnB, int kScaleA>
 __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b,
                                                 bool accumulate) {
-  static_assert(N == 64 || N == 128, "N = 64 or 128");
+  static_assert(N == 32 || N == 64 || N == 128, "N = 32, 64 or 128");
   static_assert(kScaleA == 1 || kScaleA == -1, "scale of A: 1 or -1");
-  if constexpr (N == 64) {
+  if constexpr (N == 32) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, %19, 1, %20, %21;\n}\n"
+        : JCG_WGMMA_D16
+        : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kScaleA),
+          "n"(kMnA ? 1 : 0), "n"(kMnB ? 1 : 0));
+  } else if constexpr (N == 64) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
         "%32, %33, p, %35, 1, %36, %37;\n}\n"
-        : JCG_WGMMA_D32
+        : JCG_WGMMA_D16, JCG_WGMMA_D32_HI
         : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kScaleA),
           "n"(kMnA ? 1 : 0), "n"(kMnB ? 1 : 0));
   } else {
@@ -140,13 +152,14 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], uint64_t desc
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
         "%64, %65, p, %67, 1, %68, %69;\n}\n"
-        : JCG_WGMMA_D32, JCG_WGMMA_D64_HI
+        : JCG_WGMMA_D16, JCG_WGMMA_D32_HI, JCG_WGMMA_D64_HI
         : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)), "n"(kScaleA),
           "n"(kMnA ? 1 : 0), "n"(kMnB ? 1 : 0));
   }
 }
 
-#undef JCG_WGMMA_D32
+#undef JCG_WGMMA_D16
+#undef JCG_WGMMA_D32_HI
 #undef JCG_WGMMA_D64_HI
 
 }  // namespace jax_cake_gdn

@@ -1,5 +1,5 @@
-// Standalone check of cuda/wgmma.cuh on an sm_90a GPU: D = C + s A B by wgmma (m64n64k16 and
-// m64n128k16, K = 128, A and B from shared memory; A K-major (stored [M][K]) or MN-major (stored
+// Standalone check of cuda/wgmma.cuh on an sm_90a GPU: D = C + s A B by wgmma (m64nNk16, N = 32,
+// 64, 128, K = 128, A and B from shared memory; A K-major (stored [M][K]) or MN-major (stored
 // [K][M]), B K-major (stored [N][K]) or MN-major (stored [K][N]), all 128-byte swizzled; s = 1 or
 // -1) against a host reference. The inputs are multiples of 1/4 in [-1, 1], so every product and
 // sum is exact in f32 and the check is exact equality: a wrong layout, descriptor, sign or
@@ -9,7 +9,7 @@
 // Build and run (tests/test_wgmma.py does both), from the repository root:
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda tests/cuda/wgmma_check.cu -o x
 //   ./x
-// Exit status 0 when all seven cases match.
+// Exit status 0 when all nine cases match.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -24,7 +24,9 @@ constexpr int kM = 64, kK = 128, kSlab = 64;
 
 // A: [kM][kK] row-major; B: Bt[n][k] = B[k][n], given as [N][kK] row-major either way (the kernel
 // lays them out K-major or MN-major in shared memory); C: [kM][N] (kC).
-template <int N, bool kMnA, bool kMnB, int kScaleA, bool kC>
+// kNOff: B's N columns sit at N offset kNOff of its shared tile (B stored [K][N + kNOff] or
+// [N + kNOff][K]), read through a descriptor that starts there (N = 32 blocks inside a slab).
+template <int N, bool kMnA, bool kMnB, int kScaleA, bool kC, int kNOff>
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A,
                                                           const __nv_bfloat16* Bt, const float* C,
                                                           float* D) {
@@ -43,10 +45,11 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
                             : sA + (k / kSlab) * kM * 128 + jcg::sw128_offset(r, k % kSlab);
     *reinterpret_cast<__nv_bfloat16*>(p) = A[i];
   }
+  constexpr int NS = N + kNOff;  // the stored tile's N
   for (int i = tid; i < N * kK; i += 128) {
-    const int n = i / kK, k = i % kK;
+    const int n = i / kK + kNOff, k = i % kK;
     unsigned char* p = kMnB ? sB + (n / 64) * kK * 128 + jcg::sw128_offset(k, n % 64)
-                            : sB + (k / kSlab) * N * 128 + jcg::sw128_offset(n, k % kSlab);
+                            : sB + (k / kSlab) * NS * 128 + jcg::sw128_offset(n, k % kSlab);
     *reinterpret_cast<__nv_bfloat16*>(p) = Bt[i];
   }
   jcg::fence_proxy_async();
@@ -68,8 +71,8 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
     const int slab = ks / (kSlab / 16), kk = ks % (kSlab / 16);
     const uint64_t da = kMnA ? jcg::sw128_desc(sA + 2048 * ks, kK * 128)
                              : jcg::sw128_desc(sA + slab * kM * 128 + 32 * kk);
-    const uint64_t db = kMnB ? jcg::sw128_desc(sB + 2048 * ks, kK * 128)
-                             : jcg::sw128_desc(sB + slab * N * 128 + 32 * kk);
+    const uint64_t db = kMnB ? jcg::sw128_desc(sB + 2 * kNOff + 2048 * ks, kK * 128)
+                             : jcg::sw128_desc(sB + slab * NS * 128 + 128 * kNOff + 32 * kk);
     jcg::wgmma_m64k16_ss<N, kMnA, kMnB, kScaleA>(d, da, db, kC || ks > 0);
   }
   jcg::wgmma_commit();
@@ -90,7 +93,7 @@ static uint32_t lcg(uint32_t& s) {
   return s >> 8;
 }
 
-template <int N, bool kMnA, bool kMnB, int kScaleA, bool kC>
+template <int N, bool kMnA, bool kMnB, int kScaleA, bool kC, int kNOff = 0>
 static bool check(uint32_t seed) {
   std::vector<__nv_bfloat16> a(kM * kK), b(N * kK);
   std::vector<float> af(a.size()), bf(b.size()), c(kM * N, 0.f);
@@ -115,8 +118,8 @@ static bool check(uint32_t seed) {
   cudaMemcpy(dA, a.data(), a.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dB, b.data(), b.size() * 2, cudaMemcpyHostToDevice);
   cudaMemset(dD, 0xFF, kM * N * sizeof(float));  // NaN: every element must be written
-  const size_t smem = (kM + N) * kK * 2 + 1024;
-  auto kernel = wgmma_check_kernel<N, kMnA, kMnB, kScaleA, kC>;
+  const size_t smem = (kM + N + kNOff) * kK * 2 + 1024;
+  auto kernel = wgmma_check_kernel<N, kMnA, kMnB, kScaleA, kC, kNOff>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        static_cast<int>(smem));
   kernel<<<1, 128, smem>>>(dA, dB, dC, dD);
@@ -128,8 +131,8 @@ static bool check(uint32_t seed) {
   cudaFree(dC);
   cudaFree(dD);
   char name[128];
-  std::snprintf(name, sizeof(name), "wgmma m64n%dk16 (K = %d, A %s, B %s, %sA B%s)", N, kK,
-                kMnA ? "MN-major" : "K-major", kMnB ? "MN-major" : "K-major",
+  std::snprintf(name, sizeof(name), "wgmma m64n%dk16 (K = %d, A %s, B %s at N offset %d, %sA B%s)",
+                N, kK, kMnA ? "MN-major" : "K-major", kMnB ? "MN-major" : "K-major", kNOff,
                 kScaleA < 0 ? "-" : "", kC ? " + C" : "");
   if (err != cudaSuccess) {
     std::printf("%s: CUDA error %s\n", name, cudaGetErrorString(err));
@@ -166,11 +169,14 @@ int main() {
   // <N, A MN-major, B MN-major, sign of A, + C>: the four plain products, then the state walk's
   // two (u - W S: A K-major, B MN-major, -A, + C; S + Kd^T v_new: both MN-major, + C) and A
   // MN-major with a K-major B at N = 128
-  const bool ok[7] = {
-      check<64, false, false, 1, false>(1u), check<128, false, false, 1, false>(2u),
-      check<64, false, true, 1, false>(3u),  check<128, false, true, 1, false>(4u),
-      check<64, false, true, -1, true>(5u),  check<64, true, true, 1, true>(6u),
-      check<128, true, false, -1, false>(7u)};
+  // and N = 32 blocks at N offset 32 of a 64-wide tile (chunk_bwd's warp tiles): B K-major
+  // (rows 32..63) and MN-major (columns 32..63 of a swizzled slab)
+  const bool ok[9] = {
+      check<64, false, false, 1, false>(1u),    check<128, false, false, 1, false>(2u),
+      check<64, false, true, 1, false>(3u),     check<128, false, true, 1, false>(4u),
+      check<64, false, true, -1, true>(5u),     check<64, true, true, 1, true>(6u),
+      check<128, true, false, -1, false>(7u),   check<32, false, false, 1, false, 32>(8u),
+      check<32, true, true, 1, true, 32>(9u)};
   bool all = true;
   for (bool x : ok) all = all && x;
   return all ? 0 : 1;
