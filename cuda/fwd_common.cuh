@@ -257,6 +257,31 @@ __device__ __forceinline__ void load_tile_bf16(bf16* dst, int ld, const In* src,
                                           row_stride, len, scale);
 }
 
+// A per-row f32 vector of a chunk: row t is src[(start + t) * stride + col] (src may be null: the
+// vector is absent and not loaded).
+struct RowVector {
+  float* dst;
+  const float* src;
+  int64_t stride, col;
+};
+
+// cp.async of a chunk's row vectors into shared memory (rows >= len zero); vector n is issued by
+// the threads of 64-thread group n % (Threads / 64), one row each.
+template <int Threads, int N>
+__device__ __forceinline__ void cp_async_row_vectors(const RowVector (&v)[N], int64_t start,
+                                                     int len) {
+  static_assert(Threads % kChunk == 0, "whole 64-thread groups");
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const int t = static_cast<int>(threadIdx.x) - (n % (Threads / kChunk)) * kChunk;
+    if (t >= 0 && t < kChunk && v[n].src != nullptr) {
+      const bool ok = t < len;
+      cp_async4(v[n].dst + t, ok ? v[n].src + (start + t) * v[n].stride + v[n].col : v[n].src,
+                ok);
+    }
+  }
+}
+
 struct ScaleOne {
   __device__ __forceinline__ float operator()(int) const { return 1.f; }
 };

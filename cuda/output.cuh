@@ -10,49 +10,14 @@
 // into their slabs with cp.async. The products run on wgmma (one warpgroup; warp w holds output
 // rows 16w..16w+15); Att goes through a shared slab to Att v_new; o is produced in 64-column
 // panels. e^G multiplies the rows of Q h (never e^{-G}, which can overflow); Gam_ij =
-// exp(G_i - G_j) is evaluated for i >= j only (wg_gate_scores below, shared with the walks).
+// exp(G_i - G_j) is evaluated for i >= j only (wg_gate_scores, wg_acc.cuh, shared with the walks).
 #pragma once
 
-#include "fwd_common.cuh"
-#include "wgmma.cuh"
+#include "wg_acc.cuh"
 
 namespace jax_cake_gdn {
 
 constexpr int kOutThreads = 128;
-
-// Att = tril_incl(Gam o Q K^T), unscaled, on a 64 x 64 wgmma accumulator holding Q K^T (warp wq
-// of its warpgroup: rows 16 wq + g + 8 (e / 2), columns 8 j + 2 q + e % 2 of att[4 j + e]):
-// e^{G_i - G_j} times the product for j <= i, else 0 (never e^{-G}). sg: G of the chunk's 64 rows
-// (rows beyond the chunk repeat its last G). Every kernel that builds Att (output, walk_output,
-// walk_bwd) does it here, so they agree bit for bit.
-__device__ __forceinline__ void wg_gate_scores(float (&att)[32], const float* sg, int wq) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int i = 16 * wq + g + 8 * half;
-    const float gi = sg[i];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int jj = 8 * j + 2 * q + e;
-        float& a = att[4 * j + 2 * half + e];
-        a = jj <= i ? __expf(gi - sg[jj]) * a : 0.f;
-      }
-  }
-}
-
-// A 64 x 64 accumulator (the layout above) as bf16 into a swizzled slab (row r, column c at
-// sw128_offset(r, c)): the K-major A operand of Att v_new, or an MN-major one for Att^T.
-__device__ __forceinline__ void wg_store_slab64(const float (&x)[32], unsigned char* slab, int wq) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      *reinterpret_cast<uint32_t*>(slab + sw128_offset(16 * wq + g + 8 * half, 8 * j + 2 * q)) =
-          pack_bf16(x[4 * j + 2 * half], x[4 * j + 2 * half + 1]);
-}
 
 template <int K>
 struct OutputSmem {
@@ -62,8 +27,12 @@ struct OutputSmem {
   static constexpr size_t oAtt = oKs + K / 64 * kSlab;     // [i][j]
   static constexpr size_t oHs = oAtt + kSlab;              // h: V / 64 slabs of K rows [key][v]
   // v_new: V / 64 slabs of 64 rows [token][v]; G; 1 KB for the 1024-byte alignment
-  __host__ __device__ static size_t oVs(int V) { return oHs + size_t{V} / 64 * K * 128; }
-  __host__ __device__ static size_t oSg(int V) { return oVs(V) + size_t{V} / 64 * kSlab; }
+  __host__ __device__ static size_t oVs(int V) {
+    return oHs + static_cast<size_t>(V) / 64 * K * 128;
+  }
+  __host__ __device__ static size_t oSg(int V) {
+    return oVs(V) + static_cast<size_t>(V) / 64 * kSlab;
+  }
   __host__ __device__ static size_t bytes(int V) {
     return oSg(V) + kChunk * sizeof(float) + 1024;
   }
@@ -144,8 +113,8 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operand(att);
-  wg_gate_scores(att, sg, warp);
-  wg_store_slab64(att, AttS, warp);
+  wg_gate_scores<64>(att, sg, warp);
+  wg_store_slab<64>(att, AttS, warp);
   const int i0 = 16 * warp + g, i1 = i0 + 8;
   if (scores != nullptr) {
     bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);

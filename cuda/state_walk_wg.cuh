@@ -1,34 +1,30 @@
 // The state walk (DESIGN.md section 1) on Hopper warpgroup MMA: per segment, value head and
 // 64-wide V tile, walk the segment's chunks in order:
 //
-//   h[c] = S;   v_new = u - w S;   S <- e^{G_C} S + (K e^{G_C - G})^T v_new
+//   h[c] = S;   v_new = u - w S;   S <- e^{G_C} S + k^T diag(d) v_new,  d_t = r_t e^{G_C - G_t}
 //
+// (r: rstd of k, 1 without L2 norm; k as it is, the per-token factor d on v_new: walk_decay).
 // One CTA = one warpgroup (4 warps) per (segment, value head, V tile of 64), V tiles of one
 // (segment, head) adjacent (they read the same w, k: L2 hits). The K x 64 f32 state lives
 // in registers as K / 64 wgmma accumulators of 64 x 64 (rows: key index k, columns: value
-// column v; warp w holds rows 16 w.. of each, wgmma.cuh). Per chunk:
+// column v; warp w holds rows 16 w.. of each, wg_acc.cuh). Per chunk:
 //   Sb = bf16(S)                       (shared, MN-major B; also the h tape, copied out with
 //                                       16-byte stores while product 1 runs)
 //   product 1: v_new = u - Ws Sb       (m64n64, K / 16 steps; A = w, K-major; D starts as u)
-//   Vn = bf16(v_new)                   (shared, MN-major B; v_new to global)
-//   product 2: S = e^{G_C} S + Kd^T Vn (per 64-row block of S: m64n64, 4 steps; A = Kd MN-major)
-// Operand tiles are 128-byte swizzled slabs (wgmma.cuh): w and k land by cp.async straight into
-// their slabs ([token][key]: K-major for w, MN-major for Kd); bf16 k is scaled in place to
-// k rstd e^{G_C - G} before product 2 (each thread its own pieces), f32 k is staged and converted
-// there. u, G, rstd go through staging.
-// Every operand value is the one the former mma.sync walk used (bf16 w, bf16(S), bf16(v_new),
-// bf16 of the scaled k; -w S as (-w) S instead of w (-S): the same products) and the k16 steps
-// accumulate in the same order from the same start: on the H200 the h tape, v_new and the final
-// state were bitwise equal to that walk's (bf16 k).
-// Shared memory (K = 128): w 16 KB, Kd 16 KB, Sb 16 KB, Vn 8 KB, u staging 16 KB (f32, 16-byte
+//   Vd = bf16(d v_new)                 (shared, MN-major B; v_new unscaled to global)
+//   product 2: S = e^{G_C} S + k^T Vd  (per 64-row block of S: m64n64, 4 steps; A = k MN-major)
+// Operand tiles are 128-byte swizzled slabs (wgmma.cuh): w and bf16 k land by cp.async straight
+// into their slabs ([token][key]: K-major for w, MN-major for k); f32 k is staged and rounded
+// into the k slab before product 2. u, G, rstd go through staging. walk_output_wg.cuh computes
+// the state with the same operands and k16 order (its final state is expected bit for bit equal).
+// Shared memory (K = 128): w 16 KB, k 16 KB, Sb 16 KB, Vd 8 KB, u staging 16 KB (f32, 16-byte
 // pieces swizzled), G / rstd 1 KB, + 1 KB for 1024-byte alignment: 74 KB, 3 CTAs per SM (f32 k:
 // + 32 KB of staging, 2 CTAs).
 #pragma once
 
 #include <type_traits>
 
-#include "fwd_common.cuh"
-#include "wgmma.cuh"
+#include "wg_acc.cuh"
 
 namespace jax_cake_gdn {
 
@@ -39,146 +35,16 @@ template <typename In, int K>
 struct WalkWgSmem {
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t oWs = 0;                         // K / 64 slabs [token][key]
-  static constexpr size_t oKd = oWs + K / 64 * kSlab;      // K / 64 slabs [token][key]
-  static constexpr size_t oSb = oKd + K / 64 * kSlab;      // one slab of K rows [key][v]
-  static constexpr size_t oVn = oSb + size_t{K} * 128;     // one slab [token][v]
-  static constexpr size_t oStU = oVn + kSlab;              // f32 [64][64]
+  static constexpr size_t oKs = oWs + K / 64 * kSlab;      // K / 64 slabs [token][key]
+  static constexpr size_t oSb = oKs + K / 64 * kSlab;      // one slab of K rows [key][v]
+  static constexpr size_t oVd = oSb + size_t{K} * 128;     // one slab [token][v]
+  static constexpr size_t oStU = oVd + kSlab;              // f32 [64][64]
   static constexpr size_t oStG = oStU + size_t{kChunk} * 64 * sizeof(float);
   static constexpr size_t oStK = oStG + 2 * 2 * kChunk * sizeof(float);  // G, rstd x 2 chunks
-  // f32 k goes through staging (bf16 k lands in Kd itself)
+  // f32 k goes through staging (bf16 k lands in Ks itself)
   static constexpr size_t kStK = std::is_same_v<In, bf16> ? 0 : size_t{kChunk} * K * sizeof(In);
   static constexpr size_t bytes = oStK + kStK + 1024;  // the base is aligned up to 1024
 };
-
-// f32 u staging [64][Cols]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
-// accumulator-layout float2 reads (rows g, columns 8 j + 2 q) hit 32 distinct banks.
-template <int Cols = 64>
-__device__ __forceinline__ int ustage_index(int r, int c) {
-  return r * Cols + 4 * ((c / 4) ^ (2 * (r & 3))) + (c & 3);
-}
-
-// The accumulator of a 64 x 64 product (rows 16 wq + g + 8 (e / 2), columns 8 j + 2 q + e % 2;
-// wq: the warp in its warpgroup) from the u staging columns col0.. (ustage_index<Cols>).
-template <int Cols>
-__device__ __forceinline__ void wg_load_u(float (&acc)[32], const float* stU, int col0, int wq) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float2 x = *reinterpret_cast<const float2*>(
-          stU + ustage_index<Cols>(16 * wq + g + 8 * half, col0 + 8 * j + 2 * q));
-      acc[4 * j + 2 * half] = x.x;
-      acc[4 * j + 2 * half + 1] = x.y;
-    }
-}
-
-// Sb = bf16(S) for a K x 64 state in K / 64 accumulators (wq: the warp in its warpgroup):
-// element (key r, column c) at sw128_offset(r, c), one slab of K rows (the MN-major B operand).
-template <int K>
-__device__ __forceinline__ void wg_write_sb(const float (&S)[K / 64][32], unsigned char* Sb,
-                                            int wq) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int b = 0; b < K / 64; ++b)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        *reinterpret_cast<uint32_t*>(
-            Sb + sw128_offset(64 * b + 16 * wq + g + 8 * half, 8 * j + 2 * q)) =
-            pack_bf16(S[b][4 * j + 2 * half], S[b][4 * j + 2 * half + 1]);
-}
-
-// Loads (store = false) or stores the f32 state [K][V] rows at base (tile column 0, row pitch V)
-// from / to the accumulators S[b][4 j + e] = state[64 b + 16 wq + g + 8 (e / 2)][8 j + 2 q + e % 2]
-// (wq: the warp in its warpgroup).
-template <int K>
-__device__ __forceinline__ void wg_state_rw(float (&S)[K / 64][32], float* base, int V,
-                                            bool store, int wq) {
-  const int lane = threadIdx.x & 31, warp = wq, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int b = 0; b < K / 64; ++b)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float2* p = reinterpret_cast<float2*>(
-            base + static_cast<int64_t>(64 * b + 16 * warp + g + 8 * half) * V + 8 * j + 2 * q);
-        float* s = &S[b][4 * j + 2 * half];
-        if (store) {
-          *p = make_float2(s[0], s[1]);
-        } else {
-          const float2 x = *p;
-          s[0] = x.x;
-          s[1] = x.y;
-        }
-      }
-}
-
-// A K x 64 slab of wg_write_sb to global rows of pitch V (bf16) with 16-byte stores, by the 128
-// threads of one warpgroup (t: the thread's index in it).
-template <int K>
-__device__ __forceinline__ void wg_copy_sb(const unsigned char* Sb, bf16* dst, int V, int t) {
-#pragma unroll 2
-  for (int n = 0; n < K * 8 / 128; ++n) {
-    const int i = t + n * 128, r = i / 8, cj = i % 8;
-    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * V + 8 * cj) =
-        *reinterpret_cast<const uint4*>(Sb + 128 * r + 16 * (cj ^ (r % 8)));
-  }
-}
-
-// A per-row f32 vector of a chunk: row t is src[(start + t) * stride + col] (src may be null: the
-// vector is absent and not loaded).
-struct RowVector {
-  float* dst;
-  const float* src;
-  int64_t stride, col;
-};
-
-// cp.async of a chunk's row vectors into shared memory (rows >= len zero); vector n is issued by
-// the threads of 64-thread group n % (Threads / 64), one row each.
-template <int Threads, int N>
-__device__ __forceinline__ void cp_async_row_vectors(const RowVector (&v)[N], int64_t start,
-                                                     int len) {
-  static_assert(Threads % kChunk == 0, "whole 64-thread groups");
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-    const int t = static_cast<int>(threadIdx.x) - (n % (Threads / kChunk)) * kChunk;
-    if (t >= 0 && t < kChunk && v[n].src != nullptr) {
-      const bool ok = t < len;
-      cp_async4(v[n].dst + t, ok ? v[n].src + (start + t) * v[n].stride + v[n].col : v[n].src,
-                ok);
-    }
-  }
-}
-
-// S *= e (the decay of a chunk), before the wgmma fence of an update.
-template <int K>
-__device__ __forceinline__ void wg_scale_state(float (&S)[K / 64][32], float e) {
-#pragma unroll
-  for (int b = 0; b < K / 64; ++b) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) S[b][i] *= e;
-    wgmma_fence_operand(S[b]);
-  }
-}
-
-// Issues S[b] += A_b^T B for the 64-key blocks b of a K x 64 state (4 k-steps over the chunk's
-// tokens): A = a [64 tokens][K keys] tile as K / 64 slabs, each an MN-major A; B = a
-// [64 tokens][64] slab, MN-major. The caller fences before and commits / waits after.
-template <int K>
-__device__ __forceinline__ void wg_issue_state_update(float (&S)[K / 64][32],
-                                                      const unsigned char* A,
-                                                      const unsigned char* B) {
-  constexpr uint32_t kSlab = kChunk * 128;
-#pragma unroll
-  for (int b = 0; b < K / 64; ++b)
-#pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks)
-      wgmma_m64k16_ss<64, true, true, 1>(S[b], sw128_desc(A + b * kSlab + 2048 * ks, kSlab),
-                                         sw128_desc(B + 2048 * ks, kSlab), true);
-}
 
 template <typename In, int K>
 __global__ void __launch_bounds__(kWgThreads, 3)
@@ -192,15 +58,15 @@ __global__ void __launch_bounds__(kWgThreads, 3)
                          float* __restrict__ final_state, int64_t num_tokens, int H, int HV, int V,
                          int NC) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
-  constexpr bool kInPlace = std::is_same_v<In, bf16>;
+  constexpr bool kBf16K = std::is_same_v<In, bf16>;
   using Sm = WalkWgSmem<In, K>;
   constexpr int VT = 64;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
   unsigned char* Ws = smem + Sm::oWs;
-  unsigned char* Kd = smem + Sm::oKd;
+  unsigned char* Ks = smem + Sm::oKs;
   unsigned char* Sb = smem + Sm::oSb;
-  unsigned char* Vn = smem + Sm::oVn;
+  unsigned char* Vd = smem + Sm::oVd;
   float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
   In* stK = reinterpret_cast<In*>(smem + Sm::oStK);  // f32 k only
   float* stG0 = reinterpret_cast<float*>(smem + Sm::oStG);  // chunk c: G at stG0 + (c & 1) * 128,
@@ -242,9 +108,9 @@ __global__ void __launch_bounds__(kWgThreads, 3)
   };
   auto prefetch_k = [&](int c) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    if constexpr (kInPlace) {
+    if constexpr (kBf16K) {
       cp_async_tile_at<kChunk, K, kWgThreads, false>(
-          slab_at<kChunk>(Kd), k + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
+          slab_at<kChunk>(Ks), k + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
     } else {
       cp_async_tile<kChunk, K, kWgThreads, false>(stK, K, k + (cs.start * H + hk) * K,
                                                   int64_t{H} * K, cs.len);
@@ -305,48 +171,42 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
 
-    // v_new to global (rows < len) and to Vn (all rows; padding rows are 0)
+    // v_new to global (rows < len); Vd = bf16(d v_new) (rows >= len: d = 0)
+    const int i0 = 16 * warp + g, i1 = i0 + 8;
+    const float d0 = walk_decay(i0, len, GC, stG, rstd != nullptr ? stR : nullptr);
+    const float d1 = walk_decay(i1, len, GC, stG, rstd != nullptr ? stR : nullptr);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int t = 16 * warp + g + 8 * half, vc = 8 * j + 2 * q;
-        const float x0 = acc[4 * j + 2 * half], x1 = acc[4 * j + 2 * half + 1];
-        if (t < len) store2(v_new + ((cs.start + t) * HV + hv) * V + v0 + vc, x0, x1);
-        *reinterpret_cast<uint32_t*>(Vn + sw128_offset(t, vc)) = pack_bf16(x0, x1);
+        const int t = half ? i1 : i0, vc = 8 * j + 2 * q;
+        if (t < len)
+          store2(v_new + ((cs.start + t) * HV + hv) * V + v0 + vc, acc[4 * j + 2 * half],
+                 acc[4 * j + 2 * half + 1]);
       }
-    // k(c) has landed (in Kd, or f32 in staging): Kd = k rstd e^{G_C - G}, rows >= len 0, each
-    // thread its own pieces
+    wg_store_slab<64>(acc, Vd, warp, 0, d0, d1);
+    // k(c) has landed (bf16: in Ks; f32: in staging, rounded into Ks here, each thread its own
+    // pieces; rows >= len are zero from the copy)
     cp_async_wait<1>();
-    {
+    if constexpr (!kBf16K) {
       const int t0 = P::row0(), col = P::col();
 #pragma unroll 2
       for (int j = 0; j < P::kPer; ++j) {
         const int t = t0 + j * P::kRowStep;
-        bf16* p = reinterpret_cast<bf16*>(Kd + slab_offset<kChunk>(t, col));
         float f[8];
-        if constexpr (kInPlace) {
-          if (t < len) {  // (rows >= len: zero from the copy)
-            lds8(p, f);
-            const float r = rstd != nullptr ? stR[t] : 1.f;
-            sts8_bf16(p, f, r * __expf(GC - stG[t]));
-          }
-        } else {
-          lds8(stK + t * K + col, f);  // rows >= len are zero
-          const float r = rstd != nullptr ? stR[t] : 1.f;
-          sts8_bf16(p, f, t < len ? r * __expf(GC - stG[t]) : 0.f);
-        }
+        lds8(stK + t * K + col, f);
+        sts8_bf16(reinterpret_cast<bf16*>(Ks + slab_offset<kChunk>(t, col)), f, 1.f);
       }
     }
     fence_proxy_async();
-    __syncthreads();  // Vn, Kd complete; every warp's product 1 is done with Ws
+    __syncthreads();  // Vd, k complete; every warp's product 1 is done with Ws
     if (c < c_last) prefetch_w(c + 1);
     cp_async_commit();
 
-    // product 2: S = e^{G_C} S + Kd^T Vn
+    // product 2: S = e^{G_C} S + k^T Vd
     wg_scale_state<K>(S, eGC);
     wgmma_fence();
-    wg_issue_state_update<K>(S, Kd, Vn);
+    wg_issue_state_update<K>(S, Ks, Vd);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll

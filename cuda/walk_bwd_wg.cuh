@@ -10,8 +10,9 @@
 //   top: w(c) by cp.async straight into its slab; staged q, k, dO (and the saved scores) ->
 //        Qs = q rstd_q, Ks = k rstd_k, dOs = scale dO, dOg = scale e^G dO, Att; Sb = bf16(dS)
 //        (and dS_end[c] from it)
-//   Att (kScores = false): Qs Ks^T on every warpgroup, gated by warpgroup 0 (wg_gate_scores,
-//        output.cuh) into the Att slab; with saved scores (the output kernel's) copied instead
+//   Att (kScores = false): Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT =
+//        128), gated (wg_gate_scores, wg_acc.cuh) into the Att slab; with saved scores (the
+//        output kernel's) copied instead
 //   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);  -dvn = -(e^{G_C - G} acc + dvl) -> Dvn slab
 //   dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn     (A MN-major from the [token][key] slabs)
 // Every operand and every accumulator's k16 steps are the former mma.sync kernel's, in the same
@@ -20,7 +21,6 @@
 // bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
 #pragma once
 
-#include "output.cuh"
 #include "state_walk_wg.cuh"
 
 namespace jax_cake_gdn {
@@ -201,23 +201,25 @@ __global__ void __launch_bounds__(2 * VT, 1)
     wg_copy_sb<K>(Sb, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0 + 64 * wg,
                   V, tid & 127);
 
-    // acc = Ks Sb (and Att = Qs Ks^T when recomputed: every warpgroup, no wgmma under a branch)
+    // acc = Ks Sb (and this warpgroup's columns of Att = Qs Ks^T when recomputed)
     float acc[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     wgmma_fence_operand(acc);
-    [[maybe_unused]] float att[32];
+    constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup
+    [[maybe_unused]] float att[kAttCols / 2];
     if constexpr (!kScores) {
 #pragma unroll
-      for (int i = 0; i < 32; ++i) att[i] = 0.f;
+      for (int i = 0; i < kAttCols / 2; ++i) att[i] = 0.f;
       wgmma_fence_operand(att);
     }
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) {
       const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
-      if constexpr (!kScores)
-        wgmma_m64k16_ss<64, false, false, 1>(att, sw128_desc(Qs + kk), sw128_desc(Ks + kk), true);
+      if constexpr (!kScores)  // B: k rows kAttCols wg.. (K-major, 128 B a row)
+        wgmma_m64k16_ss<kAttCols, false, false, 1>(
+            att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
       wgmma_m64k16_ss<64, false, true, 1>(acc, sw128_desc(Ks + kk),
                                           sw128_desc(Sb + 2048 * ks, K * 128), true);
     }
@@ -226,10 +228,9 @@ __global__ void __launch_bounds__(2 * VT, 1)
     wgmma_fence_operand(acc);
     if constexpr (!kScores) {
       wgmma_fence_operand(att);
-      if (wg == 0) {  // the mask and Gam, into the Att slab
-        wg_gate_scores(att, sG, wq);
-        wg_store_slab64(att, AttS, wq);
-      }
+      // the mask and Gam, this warpgroup's columns, into the Att slab
+      wg_gate_scores<kAttCols>(att, sG, wq, kAttCols * wg);
+      wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg);
       fence_proxy_async();
       __syncthreads();  // Att complete
     }

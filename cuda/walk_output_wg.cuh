@@ -1,27 +1,31 @@
 // The light forward's fused walk + output on Hopper warpgroup MMA: the state walk of
 // state_walk_wg.cuh with each chunk's output computed in the walk (neither h nor v_new leaves
-// the chip):
+// the chip). With r = rstd of k, rq = rstd of q (1 without L2 norm) and raw q, k:
 //
-//   Att = tril_incl(Gam o Q K^T)            o = scale (diag(e^G) Q S + Att v_new)
+//   Att_ij = [j <= i] e^{G_i - G_j} (q_i . k_j) r_j
+//   o_i = scale rq_i (e^{G_i} q_i S + (Att v_new)_i)
+//   S <- e^{G_C} S + k^T diag(d) v_new,   d_t = r_t e^{G_C - G_t} (0 beyond the chunk)
 //
+// so q and k enter the products as they are (bf16 q, k land by cp.async straight into their
+// swizzled slabs, double-buffered by chunk parity and prefetched a chunk ahead; f32 q, k are
+// rounded on the way) and every per-token factor is applied to an accumulator or to v_new.
 // One CTA of V / 64 warpgroups per (segment, value head); warpgroup wg owns the value columns
-// 64 wg..64 wg + 63 (its K x 64 state in K / 64 accumulators, its slabs Sb and Vn), all share
-// the w, Kd, Q, K and Att slabs. Per chunk:
-//   top: staged k, q -> Kd = k rstd e^{G_C - G}, Ks = k rstd, Qs = q rstd_q (swizzled slabs,
-//        every thread its pieces); Sb = bf16(S); the product-1 accumulator = u
-//   Att: Qs Ks^T, 8 k-steps (every warpgroup: a wgmma under a branch is serialized by ptxas),
-//        then warpgroup 0 gates it (wg_gate_scores, output.cuh) into a bf16 slab
-//   product 1: v_new = u - Ws Sb;  oacc = Qs Sb       (per warpgroup, 8 k-steps each)
-//   Vn = bf16(v_new);  oacc = e^G oacc + Att Vn;  S = e^{G_C} S + Kd^T Vn;  o = scale oacc
-// Every operand and every k16 step is the former mma.sync walk_output's, in the same order from
-// the same start, so o and the final state are expected bit for bit equal to it (the wgmma state
-// walk was, on the H200).
-// Shared memory (K = V = 128, bf16 q / k): w, Kd, Q, K slabs 16 KB each, Sb 2 x 16 KB, Vn
-// 2 x 8 KB, Att 8 KB, u staging 32 KB, k and q staging 16 KB each, rows 1 KB, + 1 KB alignment:
-// 186 KB (f32 q / k: 218 KB), 1 CTA of 8 warps per SM.
+// 64 wg..64 wg + 63 (its K x 64 state in K / 64 accumulators, its slabs Sb, Vn, Vd) and the
+// columns kAttCols wg.. of Att (kAttCols = 64 / (V / 64): 32 at V = 128). Per chunk:
+//   top: Sb = bf16(S); the product-1 accumulator = u; warpgroup barrier
+//   product 1: v_new = u - Ws Sb;  then oacc = Q Sb, att = Q K^T (this warpgroup's columns)
+//   Vn = bf16(v_new), Vd = bf16(d v_new);  Att gated (wg_gate_scores) into a slab
+//   oacc = e^G oacc + Att Vn;  S = e^{G_C} S + K^T Vd;  o = scale rq oacc
+// The state update is state_walk_wg.cuh's (the same operands and k16 order: the final state is
+// expected bit for bit equal to it); o rounds other operands than the output kernel (which takes
+// bf16(q rq), bf16(k r)), so o agrees with state_walk + output to bf16 rounding.
+// Shared memory (K = V = 128): q, k slabs 2 x 16 KB each, w 16 KB, Sb 2 x 16 KB, Vn and Vd
+// 2 x 8 KB each, Att 8 KB, u staging 32 KB, rows 2 x 768 B, + 1 KB alignment: 187 KB, 1 CTA of
+// 8 warps per SM.
 #pragma once
 
-#include "output.cuh"
+#include <type_traits>
+
 #include "state_walk_wg.cuh"
 
 namespace jax_cake_gdn {
@@ -31,18 +35,17 @@ struct WalkOutWgSmem {
   static constexpr int kWarpgroups = V / 64;
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  static constexpr size_t oWs = 0;
-  static constexpr size_t oKd = oWs + kTok;
-  static constexpr size_t oQs = oKd + kTok;
-  static constexpr size_t oKs = oQs + kTok;
-  static constexpr size_t oSb = oKs + kTok;                               // per warpgroup
+  static constexpr size_t kRows = 3 * kChunk * sizeof(float);  // G, rstd, rstd_q of a chunk
+  static constexpr size_t oQ = 0;                                         // 2 buffers
+  static constexpr size_t oK = oQ + 2 * kTok;                             // 2 buffers
+  static constexpr size_t oWs = oK + 2 * kTok;
+  static constexpr size_t oSb = oWs + kTok;                               // per warpgroup
   static constexpr size_t oVn = oSb + kWarpgroups * size_t{K} * 128;      // per warpgroup
-  static constexpr size_t oAtt = oVn + kWarpgroups * kSlab;               // [i][j]
+  static constexpr size_t oVd = oVn + kWarpgroups * kSlab;                // per warpgroup
+  static constexpr size_t oAtt = oVd + kWarpgroups * kSlab;               // [i][j]
   static constexpr size_t oStU = oAtt + kSlab;                            // f32 [64][V]
-  static constexpr size_t oStK = oStU + size_t{kChunk} * V * sizeof(float);
-  static constexpr size_t oStQ = oStK + size_t{kChunk} * K * sizeof(In);
-  static constexpr size_t oRows = oStQ + size_t{kChunk} * K * sizeof(In);  // G, rstd, rstd_q, sG
-  static constexpr size_t bytes = oRows + 4 * kChunk * sizeof(float) + 1024;  // + alignment
+  static constexpr size_t oRows = oStU + size_t{kChunk} * V * sizeof(float);  // 2 buffers
+  static constexpr size_t bytes = oRows + 2 * kRows + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_output_wg: shared memory over the sm_90 limit");
 };
 
@@ -68,20 +71,12 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   static_assert(V == 64 || V == 128, "V = 64 or 128");
   using Sm = WalkOutWgSmem<In, K, V>;
   constexpr int kThreads = walk_output_wg_threads<V>();
+  constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
   unsigned char* Ws = smem + Sm::oWs;
-  unsigned char* Kd = smem + Sm::oKd;
-  unsigned char* Qs = smem + Sm::oQs;
-  unsigned char* Ks = smem + Sm::oKs;
   unsigned char* AttS = smem + Sm::oAtt;
   float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
-  In* stK = reinterpret_cast<In*>(smem + Sm::oStK);
-  In* stQ = reinterpret_cast<In*>(smem + Sm::oStQ);
-  float* stG = reinterpret_cast<float*>(smem + Sm::oRows);
-  float* stR = stG + kChunk;
-  float* stRq = stR + kChunk;
-  float* sG = stRq + kChunk;  // G of the chunk, padding rows = G_C (the mask's and e^G's rows)
 
   const int hv = blockIdx.x % HV, s = blockIdx.x / HV;  // segments x heads (table order)
   const int hk = hv / (HV / H);
@@ -89,6 +84,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in it
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
   unsigned char* Vn = smem + Sm::oVn + wg * Sm::kSlab;
+  unsigned char* Vd = smem + Sm::oVd + wg * Sm::kSlab;
   const int64_t state_stride = int64_t{K} * V;
 
   float S[K / 64][32];
@@ -103,18 +99,32 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     return;
   }
 
-  using P = TilePieces<kChunk, K, kThreads>;
-  auto prefetch_w = [&](int c) {  // w straight into its swizzled slabs
+  auto q_slabs = [&](int b) { return smem + Sm::oQ + b * Sm::kTok; };
+  auto k_slabs = [&](int b) { return smem + Sm::oK + b * Sm::kTok; };
+  auto rows = [&](int b) { return reinterpret_cast<float*>(smem + Sm::oRows + b * Sm::kRows); };
+  auto prefetch_qk = [&](int c, int b) {  // q, k into their slabs; G, rstd, rstd_q into rows
+    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+    const int64_t off = (cs.start * H + hk) * K;
+    if constexpr (std::is_same_v<In, bf16>) {
+      cp_async_tile_at<kChunk, K, kThreads, false>(slab_at<kChunk>(q_slabs(b)), qin + off,
+                                                   int64_t{H} * K, cs.len);
+      cp_async_tile_at<kChunk, K, kThreads, false>(slab_at<kChunk>(k_slabs(b)), k + off,
+                                                   int64_t{H} * K, cs.len);
+    } else {  // f32: rounded to bf16 on the way (plain loads)
+      load_tile_bf16_at<kChunk, K, 4, kThreads>(slab_at<kChunk>(q_slabs(b)), qin + off,
+                                                int64_t{H} * K, max(cs.len, 1), ScaleOne{});
+      load_tile_bf16_at<kChunk, K, 4, kThreads>(slab_at<kChunk>(k_slabs(b)), k + off,
+                                                int64_t{H} * K, max(cs.len, 1), ScaleOne{});
+    }
+    float* r = rows(b);
+    const RowVector vecs[3] = {
+        {r, G, HV, hv}, {r + kChunk, rstd, H, hk}, {r + 2 * kChunk, rstd_q, H, hk}};
+    cp_async_row_vectors<kThreads>(vecs, cs.start, cs.len);
+  };
+  auto prefetch_wu = [&](int c) {  // w straight into its slabs; u into staging
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     cp_async_tile_at<kChunk, K, kThreads, false>(
         slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
-  };
-  auto prefetch_rows = [&](int c) {  // k, q, u, G, rstd, rstd_q into staging
-    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    cp_async_tile<kChunk, K, kThreads, false>(stK, K, k + (cs.start * H + hk) * K,
-                                              int64_t{H} * K, cs.len);
-    cp_async_tile<kChunk, K, kThreads, false>(stQ, K, qin + (cs.start * H + hk) * K,
-                                              int64_t{H} * K, cs.len);
     const float* src = u + (cs.start * HV + hv) * V;
 #pragma unroll 1
     for (int i = tid; i < kChunk * (V / 4); i += kThreads) {  // pieces of 4 f32
@@ -122,117 +132,112 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
       const bool ok = t < cs.len;
       cp_async16(stU + ustage_index<V>(t, c4), ok ? src + t * (int64_t{HV} * V) + c4 : src, ok);
     }
-    const RowVector rows[3] = {{stG, G, HV, hv}, {stR, rstd, H, hk}, {stRq, rstd_q, H, hk}};
-    cp_async_row_vectors<kThreads>(rows, cs.start, cs.len);
   };
 
-  // Commit groups per chunk c: the rows of c + 1 once the staging is converted; w of c + 1 once
-  // product 1 is done with Ws. The top waits for both.
-  prefetch_rows(c_first);
-  prefetch_w(c_first);
+  // Commit groups: at the top of chunk c, q / k / rows of c + 1 (into the other buffers); after
+  // product 1 of c, w and u of c + 1. The top of c + 1 waits for both.
+  prefetch_qk(c_first, 0);
+  prefetch_wu(c_first);
   cp_async_commit();
-  for (int c = c_first; c <= c_last; ++c) {
+  const int i0 = 16 * wq + g, i1 = i0 + 8;  // this thread's accumulator rows
+  for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    const int len = cs.len;
+    const int len = cs.len, last = max(len - 1, 0);
     cp_async_wait_all();
-    __syncthreads();  // chunk c's staging and w have landed; chunk c - 1 is done everywhere
+    fence_proxy_async();
+    __syncthreads();  // chunk c's slabs, rows, w and u have landed; chunk c - 1 is done
+    if (c < c_last) prefetch_qk(c + 1, b ^ 1);
+    cp_async_commit();
 
-    const float GC = len > 0 ? stG[len - 1] : 0.f;
-    const float eGC = __expf(GC);
-    // staged k, q -> Kd, Ks, Qs slabs (x rstd; Kd x e^{G_C - G}, zero beyond len)
-    {
-      const int t0 = P::row0(), col = P::col();
-#pragma unroll 2
-      for (int j = 0; j < P::kPer; ++j) {
-        const int t = t0 + j * P::kRowStep;
-        const uint32_t off = slab_offset<kChunk>(t, col);
-        float f[8];
-        lds8(stK + t * K + col, f);
-        const float r = rstd != nullptr ? stR[t] : 1.f;
-        sts8_bf16(reinterpret_cast<bf16*>(Kd + off), f, t < len ? r * __expf(GC - stG[t]) : 0.f);
-        sts8_bf16(reinterpret_cast<bf16*>(Ks + off), f, r);
-        lds8(stQ + t * K + col, f);
-        sts8_bf16(reinterpret_cast<bf16*>(Qs + off), f, rstd_q != nullptr ? stRq[t] : 1.f);
-      }
-      if (tid < kChunk) sG[tid] = stG[min(tid, max(len - 1, 0))];
-    }
+    const unsigned char* Qs = q_slabs(b);
+    const unsigned char* Ks = k_slabs(b);
+    const float* rG = rows(b);
+    const float* rR = rstd != nullptr ? rG + kChunk : nullptr;
+    const float* rQ = rstd_q != nullptr ? rG + 2 * kChunk : nullptr;
+    const float GC = rG[last];
     float acc[32];
     wg_load_u<V>(acc, stU, 64 * wg, wq);
     wg_write_sb<K>(S, Sb, wq);
     fence_proxy_async();
-    __syncthreads();  // slabs and sG ready; the staging is free
-    if (c < c_last) prefetch_rows(c + 1);
-    cp_async_commit();
+    warpgroup_sync(wg);  // Sb complete
 
-    // Att, product 1 and Q S
-    float att[32], oacc[32];
+    // product 1 (the chain) first, then Q S and this warpgroup's columns of Q K^T
+    float att[kAttCols / 2], oacc[32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) att[i] = oacc[i] = 0.f;
+    for (int i = 0; i < 32; ++i) oacc[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kAttCols / 2; ++i) att[i] = 0.f;
     wgmma_fence_operand(att);
     wgmma_fence_operand(oacc);
     wgmma_fence_operand(acc);
     wgmma_fence();
-    // (every warpgroup computes Att: a wgmma under a branch makes ptxas serialize them all)
+#pragma unroll
+    for (int ks = 0; ks < K / 16; ++ks)
+      wgmma_m64k16_ss<64, false, true, -1>(
+          acc, sw128_desc(Ws + (ks / 4) * Sm::kSlab + 32 * (ks % 4)),
+          sw128_desc(Sb + 2048 * ks, K * 128), true);
+    wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) {
       const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
-      wgmma_m64k16_ss<64, false, false, 1>(att, sw128_desc(Qs + kk), sw128_desc(Ks + kk), true);
+      wgmma_m64k16_ss<64, false, true, 1>(oacc, sw128_desc(Qs + kk),
+                                          sw128_desc(Sb + 2048 * ks, K * 128), true);
     }
 #pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks) {
+    for (int ks = 0; ks < K / 16; ++ks) {  // B: k rows kAttCols wg.. (K-major, 128 B a row)
       const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
-      const uint64_t db = sw128_desc(Sb + 2048 * ks, K * 128);
-      wgmma_m64k16_ss<64, false, true, -1>(acc, sw128_desc(Ws + kk), db, true);
-      wgmma_m64k16_ss<64, false, true, 1>(oacc, sw128_desc(Qs + kk), db, true);
+      wgmma_m64k16_ss<kAttCols, false, false, 1>(
+          att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
     }
     wgmma_commit();
+    wgmma_wait<1>();
+    wgmma_fence_operand(acc);
+    // Vn = bf16(v_new), Vd = bf16(d v_new) (walk_decay)
+    const float d0 = walk_decay(i0, len, GC, rG, rR), d1 = walk_decay(i1, len, GC, rG, rR);
+    wg_store_slab<64>(acc, Vn, wq);
+    wg_store_slab<64>(acc, Vd, wq, 0, d0, d1);
     wgmma_wait<0>();
     wgmma_fence_operand(att);
     wgmma_fence_operand(oacc);
-    wgmma_fence_operand(acc);
-
-    if (wg == 0) {  // the mask and Gam, into the Att slab
-      wg_gate_scores(att, sG, wq);
-      wg_store_slab64(att, AttS, wq);
-    }
-    wg_store_slab64(acc, Vn, wq);
+    wg_gate_scores<kAttCols>(att, rG, wq, kAttCols * wg, last, rR);
+    wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg);
     fence_proxy_async();
-    __syncthreads();  // Att and Vn complete; every warpgroup is done with Ws
-    if (c < c_last) prefetch_w(c + 1);
+    __syncthreads();  // Att, Vn, Vd complete; every warpgroup is done with Ws and the u staging
+    if (c < c_last) prefetch_wu(c + 1);
     cp_async_commit();
 
-    // o = e^G (Q S) + Att Vn;  S = e^{G_C} S + Kd^T Vn
+    // o = e^G (Q S) + Att Vn;  S = e^{G_C} S + K^T Vd
+    const float eg0 = __expf(rG[min(i0, last)]), eg1 = __expf(rG[min(i1, last)]);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float eg = __expf(sG[16 * wq + g + 8 * half]);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        oacc[4 * j + 2 * half] *= eg;
-        oacc[4 * j + 2 * half + 1] *= eg;
-      }
+    for (int j = 0; j < 8; ++j) {
+      oacc[4 * j] *= eg0;
+      oacc[4 * j + 1] *= eg0;
+      oacc[4 * j + 2] *= eg1;
+      oacc[4 * j + 3] *= eg1;
     }
-    wg_scale_state<K>(S, eGC);
+    wg_scale_state<K>(S, __expf(GC));
     wgmma_fence_operand(oacc);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
       wgmma_m64k16_ss<64, false, true, 1>(oacc, sw128_desc(AttS + 32 * ks),
                                           sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
-    wg_issue_state_update<K>(S, Kd, Vn);
+    wg_issue_state_update<K>(S, Ks, Vd);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(oacc);
 #pragma unroll
-    for (int b = 0; b < K / 64; ++b) wgmma_fence_operand(S[b]);
+    for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int t = 16 * wq + g + 8 * half;
+      const int t = half ? i1 : i0;
       if (t < len) {
+        const float so = scale * (rQ != nullptr ? rQ[t] : 1.f);
         Out* op = o + ((cs.start + t) * HV + hv) * V + 64 * wg + 2 * q;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-          store2(op + 8 * j, scale * oacc[4 * j + 2 * half], scale * oacc[4 * j + 2 * half + 1]);
+          store2(op + 8 * j, so * oacc[4 * j + 2 * half], so * oacc[4 * j + 2 * half + 1]);
       }
     }
   }

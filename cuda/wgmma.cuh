@@ -72,6 +72,12 @@ __device__ __forceinline__ unsigned char* align_1024(unsigned char* p) {
   return p + ((1024 - (a & 1023)) & 1023);
 }
 
+// Barrier of the 128 threads of warpgroup wg (named barrier 1 + wg; barrier 0 is
+// __syncthreads').
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
+}
+
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }

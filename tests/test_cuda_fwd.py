@@ -8,7 +8,7 @@ GPU host: each cuda primitive against its xla twin on the same inputs (prep's A 
 cuda state walk's h tape is bf16 and is compared after casting, the cuda output gets xla's h
 rounded to bf16),
 prep's w, u bitwise equal to the cuda wy on prep's A (the light backward's replay), the fused
-walk_output against the separate cuda state_walk + output (<= 1e-3), and `gdn(backend="cuda")`
+walk_output against the separate cuda state_walk + output (<= 5e-3), and `gdn(backend="cuda")`
 against the float64 reference (relative RMS <= 1e-2), on uneven documents (1, 63, 64, 65, 1000
 tokens, empty documents, unused chunk capacity; and 1, 12288, 65, 1000), GVA (16, 48) and (2, 6), L2 norm on
 and off, initial state on and off, bf16 and f32 inputs, K = V = 128 and 64; the same under
@@ -44,7 +44,9 @@ TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
 # prep's A (bf16) vs xla's f32 A: the bf16 rounding (~1.1e-3) on top of the inverse's own error
 # (bf16 k in K K^T, the inverse near f32 through split bf16 mma: 1.7-2.7e-4 before A went bf16)
 A_TOL = 2e-3
-SEP_TOL = 1e-3  # fused walk_output vs the separate cuda state_walk + output (same bf16 roundings)
+# fused walk_output vs the separate cuda state_walk + output: independent bf16 roundings of the
+# same products (each is within ~4e-3 of xla), so about the size of one rounding apart
+SEP_TOL = 5e-3
 
 
 def rel(x, ref) -> float:
@@ -356,8 +358,9 @@ def test_gpu_primitives_match_xla(cfg):
     assert errs["A"] <= A_TOL, errs["A"]
     for key in ("w~wy", "u~wy"):
         assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
-    # the fused walk + output against the separate cuda kernels: the same bf16 roundings and
-    # accumulation order (bitwise equal is expected, printed, not required)
+    # the fused walk + output against the separate cuda kernels: the fused one takes q, k as
+    # they are and scales accumulators and v_new instead (other bf16 roundings), so they agree
+    # to bf16 rounding (printed whether bitwise equal too)
     for key in ("walk_output.o~sep", "walk_output.final~sep"):
         same = np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1]))
         print(f"[{name}] {key}: rel {errs[key]:.1e}, bitwise equal: {same}")

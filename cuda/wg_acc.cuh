@@ -1,0 +1,172 @@
+// Helpers on the wgmma accumulator layout (wgmma.cuh): the 64 x N accumulator of a warpgroup
+// holds rows 16 wq + g + 8 (e / 2) and columns 8 j + 2 q + e % 2 in element 4 j + e (wq: the warp
+// in its warpgroup, g = lane / 4, q = lane % 4); a K x 64 state is K / 64 such accumulators
+// (rows 64 b..). Loading them, storing them as swizzled slabs or to global memory, the Att gate
+// and the state update, shared by the walks and the output kernel.
+#pragma once
+
+#include "fwd_common.cuh"
+#include "wgmma.cuh"
+
+namespace jax_cake_gdn {
+
+// f32 u staging [64][Cols]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
+// accumulator-layout float2 reads (rows g, columns 8 j + 2 q) hit 32 distinct banks.
+template <int Cols = 64>
+__device__ __forceinline__ int ustage_index(int r, int c) {
+  return r * Cols + 4 * ((c / 4) ^ (2 * (r & 3))) + (c & 3);
+}
+
+// The accumulator of a 64 x 64 product (rows 16 wq + g + 8 (e / 2), columns 8 j + 2 q + e % 2;
+// wq: the warp in its warpgroup) from the u staging columns col0.. (ustage_index<Cols>).
+template <int Cols>
+__device__ __forceinline__ void wg_load_u(float (&acc)[32], const float* stU, int col0, int wq) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float2 x = *reinterpret_cast<const float2*>(
+          stU + ustage_index<Cols>(16 * wq + g + 8 * half, col0 + 8 * j + 2 * q));
+      acc[4 * j + 2 * half] = x.x;
+      acc[4 * j + 2 * half + 1] = x.y;
+    }
+}
+
+// Sb = bf16(S) for a K x 64 state in K / 64 accumulators (wq: the warp in its warpgroup):
+// element (key r, column c) at sw128_offset(r, c), one slab of K rows (the MN-major B operand).
+template <int K>
+__device__ __forceinline__ void wg_write_sb(const float (&S)[K / 64][32], unsigned char* Sb,
+                                            int wq) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int b = 0; b < K / 64; ++b)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<uint32_t*>(
+            Sb + sw128_offset(64 * b + 16 * wq + g + 8 * half, 8 * j + 2 * q)) =
+            pack_bf16(S[b][4 * j + 2 * half], S[b][4 * j + 2 * half + 1]);
+}
+
+// Loads (store = false) or stores the f32 state [K][V] rows at base (tile column 0, row pitch V)
+// from / to the accumulators S[b][4 j + e] = state[64 b + 16 wq + g + 8 (e / 2)][8 j + 2 q + e % 2]
+// (wq: the warp in its warpgroup).
+template <int K>
+__device__ __forceinline__ void wg_state_rw(float (&S)[K / 64][32], float* base, int V,
+                                            bool store, int wq) {
+  const int lane = threadIdx.x & 31, warp = wq, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int b = 0; b < K / 64; ++b)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float2* p = reinterpret_cast<float2*>(
+            base + static_cast<int64_t>(64 * b + 16 * warp + g + 8 * half) * V + 8 * j + 2 * q);
+        float* s = &S[b][4 * j + 2 * half];
+        if (store) {
+          *p = make_float2(s[0], s[1]);
+        } else {
+          const float2 x = *p;
+          s[0] = x.x;
+          s[1] = x.y;
+        }
+      }
+}
+
+// A K x 64 slab of wg_write_sb to global rows of pitch V (bf16) with 16-byte stores, by the 128
+// threads of one warpgroup (t: the thread's index in it).
+template <int K>
+__device__ __forceinline__ void wg_copy_sb(const unsigned char* Sb, bf16* dst, int V, int t) {
+#pragma unroll 2
+  for (int n = 0; n < K * 8 / 128; ++n) {
+    const int i = t + n * 128, r = i / 8, cj = i % 8;
+    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * V + 8 * cj) =
+        *reinterpret_cast<const uint4*>(Sb + 128 * r + 16 * (cj ^ (r % 8)));
+  }
+}
+
+// S *= e (the decay of a chunk), before the wgmma fence of an update.
+template <int K>
+__device__ __forceinline__ void wg_scale_state(float (&S)[K / 64][32], float e) {
+#pragma unroll
+  for (int b = 0; b < K / 64; ++b) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) S[b][i] *= e;
+    wgmma_fence_operand(S[b]);
+  }
+}
+
+// Issues S[b] += A_b^T B for the 64-key blocks b of a K x 64 state (4 k-steps over the chunk's
+// tokens): A = a [64 tokens][K keys] tile as K / 64 slabs, each an MN-major A; B = a
+// [64 tokens][64] slab, MN-major. The caller fences before and commits / waits after.
+template <int K>
+__device__ __forceinline__ void wg_issue_state_update(float (&S)[K / 64][32],
+                                                      const unsigned char* A,
+                                                      const unsigned char* B) {
+  constexpr uint32_t kSlab = kChunk * 128;
+#pragma unroll
+  for (int b = 0; b < K / 64; ++b)
+#pragma unroll
+    for (int ks = 0; ks < kChunk / 16; ++ks)
+      wgmma_m64k16_ss<64, true, true, 1>(S[b], sw128_desc(A + b * kSlab + 2048 * ks, kSlab),
+                                         sw128_desc(B + 2048 * ks, kSlab), true);
+}
+
+// d_t = r_t e^{G_C - G_t} for token t < len of a chunk (r: rstd rows, null: 1; G: its gate
+// cumsum rows, GC = G of its last token), 0 beyond: the factor of v_new in the state update
+// S <- e^{G_C} S + k^T diag(d) v_new of both walks.
+__device__ __forceinline__ float walk_decay(int t, int len, float GC, const float* G,
+                                            const float* r) {
+  return t < len ? (r != nullptr ? r[t] : 1.f) * __expf(GC - G[t]) : 0.f;
+}
+
+// Att = tril_incl(Gam o Q K^T) on a 64 x N wgmma accumulator holding columns col0.. of Q K^T
+// (warp wq of its warpgroup: rows 16 wq + g + 8 (e / 2), columns col0 + 8 j + 2 q + e % 2 of
+// att[4 j + e]): e^{G_i - G_j} times the product for j <= i, else 0 (never e^{-G}); then times
+// rs[j] when rs is given (a per-column factor). G of row i is sg[min(i, last)] (rows beyond a
+// chunk repeat its last G). Every kernel that builds Att (output, walk_output, walk_bwd) does it
+// here.
+template <int N>
+__device__ __forceinline__ void wg_gate_scores(float (&att)[N / 2], const float* sg, int wq,
+                                               int col0 = 0, int last = kChunk - 1,
+                                               const float* rs = nullptr) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = 16 * wq + g + 8 * half;
+    const float gi = sg[min(i, last)];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int jj = col0 + 8 * j + 2 * q + e;
+        float& a = att[4 * j + 2 * half + e];
+        a = jj <= i ? __expf(gi - sg[min(jj, last)]) * a : 0.f;
+        if (rs != nullptr) a *= rs[jj];
+      }
+  }
+}
+
+// A 64 x N accumulator (the layout above, columns col0..) as bf16 into a swizzled slab (row r,
+// column c at sw128_offset(r, c)), rows 16 wq + g times s0 and rows 16 wq + g + 8 times s1: the
+// K-major A operand of Att v_new, an MN-major one for Att^T, or a [token][v] B operand.
+template <int N>
+__device__ __forceinline__ void wg_store_slab(const float (&x)[N / 2], unsigned char* slab,
+                                              int wq, int col0 = 0, float s0 = 1.f,
+                                              float s1 = 1.f) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float s = half ? s1 : s0;
+      *reinterpret_cast<uint32_t*>(
+          slab + sw128_offset(16 * wq + g + 8 * half, col0 + 8 * j + 2 * q)) =
+          pack_bf16(s * x[4 * j + 2 * half], s * x[4 * j + 2 * half + 1]);
+    }
+}
+
+}  // namespace jax_cake_gdn
