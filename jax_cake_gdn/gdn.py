@@ -137,8 +137,9 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         intra-chunk scores (all but u in bfloat16 on the cuda backend, float32 on xla; see
         `saved_layout`). Both give bitwise-equal gradients. On the cuda backend the
         light forward runs the walk and the output as one kernel (walk_output; the h tape never
-        reaches HBM) and is the faster forward; full skips the replay and is the faster fwd+bwd
-        (B23 on an H200: fwd 3.27 vs 4.16 ms, fwd+bwd 12.68 vs 11.17 ms).
+        reaches HBM; its o agrees with full's to bf16 rounding, not bit for bit) and is the
+        faster forward; full skips the replay and is the faster fwd+bwd (B23 on an H200: fwd
+        3.02 vs 3.96 ms, fwd+bwd 11.30 vs 10.07 ms).
       deterministic: ask for bitwise-reproducible gradients. Every primitive of both backends is
         deterministic today (fixed reduction order; the CUDA kernels use no atomics), so both
         values behave the same: repeated runs with the same shapes on the same device give

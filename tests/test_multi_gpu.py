@@ -46,7 +46,9 @@ def test_cp_on_gpus_matches_one_gpu(rng, W, layout, exchange, segments):
         out[mode] = run_kcp(devs, layout, cu, args, do, backend="cuda", qk_l2norm=True,
                             exchange=exchange, segments=segments, save_mode=mode)
     (o, grads), (o_full, grads_full) = out["light"], out["full"]
-    np.testing.assert_array_equal(o, o_full)
+    # o: the light forward's fused walk_output rounds other operands than full's output kernel
+    # (raw q, k; rstd on accumulators), so o agrees to bf16 rounding; gradients bitwise
+    assert rel_rms(o, o_full) <= 5e-3, rel_rms(o, o_full)
     for n, a, b in zip(NAMES, grads, grads_full):
         np.testing.assert_array_equal(a, b, err_msg=f"light vs full d{n}")
     errs = {"o": rel_rms(o, ro), **{n: rel_rms(a, b) for n, a, b in zip(NAMES, grads, rgrads)}}
