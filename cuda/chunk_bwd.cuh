@@ -21,10 +21,12 @@
 //   dbeta = rowsum(dbV o V) + e^G rowsum(dbK o K) + rowsum(N)
 //   dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h);   dg_t = dG_C + sum_{t <= i < len} dG_i
 //
-// Every product runs on mma.sync m16n8k16 (bf16 operands from shared memory, f32 accumulate):
-// one generic warp tile (16 x 32 of a 64 x N result, N in {64, K, V}; 8 warps cover 64 x 64 in
-// one tile each and 64 x 128 in two) over ldmatrix-fed operands in any of the four transposition
-// layouts. f32 intermediates (dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
+// Every product runs on Hopper wgmma (wgmma.cuh, bf16 operands from 128-byte swizzled slabs, f32
+// accumulate): one generic block (64 x 32 of a 64 x N result, N in {64, K, V}: one m64n32 chain
+// per warpgroup, the two warpgroups taking column blocks 32 wg, 32 wg + 64, ...) in any of the
+// four transposition layouts; each accumulator element sees the k16 steps of the former mma.sync
+// warp tile in the same order from zero, so every output is expected bit for bit equal to that
+// kernel's. f32 intermediates (dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
 // become operands. A, h, dS_end and vn arrive in bf16 (the walks round them when they write them,
 // to the values this kernel rounded them to itself before) and go straight into their tiles by
 // cp.async; e^{G_C} sum(dS o h), their only other use, sums these bf16 values in f32. A CPU
@@ -34,17 +36,19 @@
 // Per-row reductions (dG, dbeta, dG_C) go through per-tile partial arrays in shared memory and
 // are summed in a fixed order: the kernel is deterministic (no atomics).
 //
-// dK accumulates in registers across the stages (two 16 x 32 tiles per warp at K = 128); dQ, dV
-// are written as soon as they are final. Shared memory (K = V = 128: about 202 KB, 1 CTA / SM):
-// persistent Ks, dvn (bf16), M (f32 64 x 64), small arrays; a phase-A region (Q, dO, vn, h, dS,
-// Att, dGam) that phase B reuses for dw, V, dA, A^T dA, dKK; A (bf16, as prep stored it).
+// dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
+// dQ, dV are written as soon as they are final. Shared memory (K = V = 128: about 199 KB, 1 CTA /
+// SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
+// (bf16), M (f32 64 x 64); a phase-A region (Q, dO, vn, h, dS, Att, dGam) that phase B reuses
+// for dw, V, dA, A^T dA, dKK; A (bf16, as prep stored it); small arrays.
 // Loads: with bf16 inputs every stage-0 operand (h, dS_end, vn, q, k, dO, A, rstd) goes by
 // cp.async in one group, one wait (q, k are then scaled by rstd in place, each thread its own
 // pieces: the values a register pass would give), and V by cp.async at stage 5, in flight while
-// dw is computed; f32 inputs convert q, k, dO, V through registers as before.
+// dw is computed; f32 inputs convert q, k, dO, V through registers.
 #pragma once
 
 #include "fwd_common.cuh"
+#include "wgmma.cuh"
 
 namespace jax_cake_gdn {
 
@@ -54,24 +58,17 @@ constexpr int kCbWarps = kCbThreads / 32;
 template <typename In, int K, int V>
 struct ChunkBwdSmem {
   static constexpr bool kRaw = std::is_same_v<In, bf16>;  // q, k, dO, v copied as they are
-  static constexpr int KP = K + 8;       // bf16 pitch of 64 x K tiles
-  static constexpr int VP = V + 8;       // bf16 pitch of 64 x V and K x V tiles
-  static constexpr int TP = kChunk + 8;  // bf16 pitch of 64 x 64 tiles
-  static constexpr int MP = kChunk;      // f32 pitch of M (reads are staggered)
-  static constexpr size_t kTK = size_t{kChunk} * KP * sizeof(bf16);
-  static constexpr size_t kTV = size_t{kChunk} * VP * sizeof(bf16);
-  static constexpr size_t kTS = size_t{K} * VP * sizeof(bf16);
-  static constexpr size_t kTT = size_t{kChunk} * TP * sizeof(bf16);
-  // persistent
+  static constexpr int MP = kChunk;                        // f32 pitch of M (reads are staggered)
+  static constexpr size_t kTK = size_t{kChunk} * K * sizeof(bf16);       // 64 x K: K / 64 slabs
+  static constexpr size_t kTV = size_t{kChunk} * V * sizeof(bf16);       // 64 x V
+  static constexpr size_t kTS = size_t{K} * V * sizeof(bf16);            // K x V: V / 64 slabs
+  static constexpr size_t kTT = size_t{kChunk} * kChunk * sizeof(bf16);  // 64 x 64: one slab
+  // persistent (every slab offset a multiple of 1024 from the aligned base)
   static constexpr size_t oKs = 0;
   static constexpr size_t oDu = oKs + kTK;
   static constexpr size_t oM = oDu + kTV;
-  static constexpr size_t oSmall = oM + size_t{kChunk} * MP * sizeof(float);
-  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red,
-  // rstd_q, rstd_k of the chunk's rows
-  static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32 + 2 * kChunk;
   // phase A
-  static constexpr size_t oQ = oSmall + nSmall * sizeof(float);
+  static constexpr size_t oQ = oM + size_t{kChunk} * MP * sizeof(float);
   static constexpr size_t oDO = oQ + kTK;
   static constexpr size_t oVN = oDO + kTV;
   static constexpr size_t oH = oVN + kTV;
@@ -80,47 +77,69 @@ struct ChunkBwdSmem {
   static constexpr size_t oDG = oAtt + kTT;
   // A (bf16, as stored), copied at stage 0, read from stage 6 on
   static constexpr size_t oA = oDG + kTT;
-  static constexpr size_t bytes = oA + kTT;
+  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red,
+  // rstd_q, rstd_k of the chunk's rows
+  static constexpr size_t oSmall = oA + kTT;
+  static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32 + 2 * kChunk;
+  static constexpr size_t bytes = oSmall + nSmall * sizeof(float) + 1024;  // + alignment
   // phase B aliases
   static constexpr size_t oDw = oDS;   // 64 x K
   static constexpr size_t oV = oDO;    // 64 x V
   static constexpr size_t oDA = oAtt;  // 64 x 64, later dKK
   static constexpr size_t oX = oDG;    // 64 x 64
-  static_assert(size_t{kChunk} * KP <= size_t{K} * VP, "dw does not fit dS's slot");
-  static_assert(oQ % 16 == 0, "misaligned tiles");
+  static_assert(kTK <= kTS, "dw does not fit dS's slot");
   static_assert(bytes <= 227 * 1024, "chunk_bwd: shared memory over the sm_90 limit");
 };
 
-// acc (16 x 32 tile at rows m0, columns n0 of a 64 x N result) += op(A) op(B), reduction length
-// KD. AT = false: A row-major [M][KD] (pitch lda); AT = true: A stored as [KD][M] (A = M^T).
-// BT = false: B stored row-major [KD][N]; BT = true: B stored as [N][KD] (B = M^T).
-template <int KD, bool AT, bool BT>
-__device__ __forceinline__ void cb_tile(float (&acc)[4][4], const bf16* a, int lda, const bf16* b,
-                                        int ldb, int m0, int n0) {
-  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+// acc (the 64 x 32 block at columns n0 of a 64 x N result; warp wq of the warpgroup holds rows
+// 16 wq.., the layout of the former 16 x 32 warp tile at m0 = 16 wq) += op(A) op(B), reduction
+// length KD, as one m64n32 wgmma chain per warpgroup: issues only (cb_begin before, cb_end
+// after; all four warps of the warpgroup call it). AT = false: A stored [64][KD] (K-major slabs
+// of 64 rows); AT = true: A stored [KD][64] (A = M^T: one MN-major slab of KD rows). BT = false:
+// B stored [KD][N] (MN-major slabs of KD rows); BT = true: B stored [N][KD] (B = M^T: K-major
+// slabs of BR rows, the tile's N).
+template <int KD, bool AT, bool BT, int BR = kChunk>
+__device__ __forceinline__ void cb_mma(float (&acc)[4][4], const unsigned char* a,
+                                       const unsigned char* b, int n0) {
+  float(&d)[16] = reinterpret_cast<float(&)[16]>(acc);
 #pragma unroll
   for (int ks = 0; ks < KD / 16; ++ks) {
-    uint32_t af[4];
-    if constexpr (AT) {
-      lda_tr(af, a + (16 * ks) * lda + m0, lda);
-    } else {
-      lda_rm(af, a + m0 * lda + 16 * ks, lda);
-    }
-#pragma unroll
-    for (int np = 0; np < 2; ++np) {
-      uint32_t bf[4];
-      if constexpr (BT) {
-        ldsm_x4(bf, b + (n0 + 16 * np + r + (i >> 1) * 8) * ldb + 16 * ks + (i & 1) * 8);
-      } else {
-        ldsm_x4_t(bf, b + (16 * ks + r + (i & 1) * 8) * ldb + n0 + 16 * np + (i >> 1) * 8);
-      }
-      mma_bf16(acc[2 * np], af, bf[0], bf[1]);
-      mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
-    }
+    const uint64_t da = AT ? sw128_desc(a + 2048 * ks, KD * 128)
+                           : sw128_desc(a + (ks / 4) * (kChunk * 128) + 32 * (ks % 4));
+    const uint64_t db =
+        BT ? sw128_desc(b + (ks / 4) * (BR * 128) + 128 * n0 + 32 * (ks % 4))
+           : sw128_desc(b + (n0 / 64) * (KD * 128) + 2 * (n0 % 64) + 2048 * ks, KD * 128);
+    wgmma_m64k16_ss<32, AT, !BT, 1>(d, da, db, true);
   }
 }
 
-// Tile i of this warp in a 64 x N result: rows m0.., columns n0.. (N / 64 tiles per warp).
+__device__ __forceinline__ float (&cb_flat(float (&acc)[4][4]))[16] {
+  return reinterpret_cast<float(&)[16]>(acc);
+}
+
+// Before a batch of cb_mma: order the accumulators' register writes before the wgmmas.
+template <typename... Acc>
+__device__ __forceinline__ void cb_begin(Acc&... acc) {
+  (wgmma_fence_operand(cb_flat(acc)), ...);
+  wgmma_fence();
+}
+
+// After a batch: commit, wait, and fence the accumulators before they are read.
+template <typename... Acc>
+__device__ __forceinline__ void cb_end(Acc&... acc) {
+  wgmma_commit();
+  wgmma_wait<0>();
+  (wgmma_fence_operand(cb_flat(acc)), ...);
+}
+
+// Element (r, c) of a bf16 tile of Rows rows stored as swizzled slabs (slab_offset, wgmma.cuh).
+template <int Rows>
+__device__ __forceinline__ bf16* cb_at(unsigned char* base, int r, int c) {
+  return reinterpret_cast<bf16*>(base + slab_offset<Rows>(r, c));
+}
+
+// Block i of this warp in a 64 x N result: rows m0 = 16 (warp % 4).., columns n0.. (N / 64
+// blocks per warp; the four warps of a warpgroup share n0).
 __device__ __forceinline__ void cb_tile_pos(int i, int& m0, int& n0) {
   const int t = (threadIdx.x >> 5) + kCbWarps * i;
   m0 = 16 * (t & 3);
@@ -170,10 +189,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
                      int HV, float scale) {
   using Sm = ChunkBwdSmem<In, K, V>;
-  constexpr int KP = Sm::KP, VP = Sm::VP, TP = Sm::TP, MP = Sm::MP;
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::oKs);
-  bf16* Du = reinterpret_cast<bf16*>(smem + Sm::oDu);
+  constexpr int MP = Sm::MP;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = align_1024(smem_raw);
+  unsigned char* Ks = smem + Sm::oKs;
+  unsigned char* Du = smem + Sm::oDu;
   float* sM = reinterpret_cast<float*>(smem + Sm::oM);
   float* sG = reinterpret_cast<float*>(smem + Sm::oSmall);
   float* sB = sG + kChunk;
@@ -186,19 +206,22 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   float* sRed = sdG + kChunk;    // [32]
   float* sRq = sRed + 32;        // [64] rstd_q (bf16 inputs with L2 norm)
   float* sRk = sRq + kChunk;     // [64] rstd_k
-  bf16* Qs = reinterpret_cast<bf16*>(smem + Sm::oQ);
-  bf16* DOs = reinterpret_cast<bf16*>(smem + Sm::oDO);
-  bf16* VNs = reinterpret_cast<bf16*>(smem + Sm::oVN);
-  bf16* Hs = reinterpret_cast<bf16*>(smem + Sm::oH);
-  bf16* DSs = reinterpret_cast<bf16*>(smem + Sm::oDS);
-  bf16* Att = reinterpret_cast<bf16*>(smem + Sm::oAtt);
-  bf16* DGm = reinterpret_cast<bf16*>(smem + Sm::oDG);
-  bf16* Dw = reinterpret_cast<bf16*>(smem + Sm::oDw);
-  bf16* As = reinterpret_cast<bf16*>(smem + Sm::oA);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + Sm::oV);
-  bf16* DA = reinterpret_cast<bf16*>(smem + Sm::oDA);
-  bf16* DKK = reinterpret_cast<bf16*>(smem + Sm::oDA);
-  bf16* Xs = reinterpret_cast<bf16*>(smem + Sm::oX);
+  unsigned char* Qs = smem + Sm::oQ;
+  unsigned char* DOs = smem + Sm::oDO;
+  unsigned char* VNs = smem + Sm::oVN;
+  unsigned char* Hs = smem + Sm::oH;
+  unsigned char* DSs = smem + Sm::oDS;
+  unsigned char* Att = smem + Sm::oAtt;
+  unsigned char* DGm = smem + Sm::oDG;
+  unsigned char* Dw = smem + Sm::oDw;
+  unsigned char* As = smem + Sm::oA;
+  unsigned char* Vs = smem + Sm::oV;
+  unsigned char* DA = smem + Sm::oDA;
+  unsigned char* DKK = smem + Sm::oDA;
+  unsigned char* Xs = smem + Sm::oX;
+  // [64][*] and [K][*] slab tiles (cb_at)
+  auto at64 = [](unsigned char* t, int r, int c) { return cb_at<kChunk>(t, r, c); };
+  auto atK = [](unsigned char* t, int r, int c) { return cb_at<K>(t, r, c); };
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;
   const int hk = hv / (HV / H);
@@ -213,17 +236,21 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   // ---- stage 0: operands into shared memory (bf16), G, beta, and sum(dS o h) in f32
   // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
-  // into their operand tiles (cp_async_tile: the TilePieces mapping; the sum below walks this
-  // thread's pieces of h and dS_end).
+  // into their slabs (cp_async_tile_at: the TilePieces mapping; the sum below walks this thread's
+  // pieces of h and dS_end).
   using PH = TilePieces<K, V, kCbThreads>;
   {
-    cp_async_tile<K, V, kCbThreads>(Hs, VP, h + s_off, V, K);
-    cp_async_tile<K, V, kCbThreads>(DSs, VP, dS_end + s_off, V, K);
-    cp_async_tile<kChunk, V, kCbThreads>(VNs, VP, v_new + v_off, int64_t{HV} * V, len);
+    cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(Hs), h + s_off, V, K);
+    cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(DSs), dS_end + s_off, V, K);
+    cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(VNs), v_new + v_off,
+                                            int64_t{HV} * V, len);
     if constexpr (Sm::kRaw) {  // bf16 q, k, dO as they are (q, k scaled in place below)
-      cp_async_tile<kChunk, K, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len);
-      cp_async_tile<kChunk, K, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len);
-      cp_async_tile<kChunk, V, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len);
+      cp_async_tile_at<kChunk, K, kCbThreads>(slab_at<kChunk>(Qs), q + qk_off, int64_t{H} * K,
+                                              len);
+      cp_async_tile_at<kChunk, K, kCbThreads>(slab_at<kChunk>(Ks), k + qk_off, int64_t{H} * K,
+                                              len);
+      cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(DOs), dout + v_off,
+                                              int64_t{HV} * V, len);
     }
     if (Sm::kRaw && tid < 2 * kChunk) {  // rstd of the chunk's rows, for the in-place scaling
       const float* r = tid < kChunk ? rstd_q : rstd_k;
@@ -232,17 +259,18 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cp_async4((tid < kChunk ? sRq : sRk) + t, ok ? r + (cs.start + t) * H + hk : G, ok);
     }
     // A as stored (bf16), for stage 6 on
-    cp_async_tile<kChunk, kChunk, kCbThreads>(
-        As, TP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
+    cp_async_tile_at<kChunk, kChunk, kCbThreads>(
+        slab_at<kChunk>(As), A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk,
+        kChunk);
     cp_async_commit();
   }
   if constexpr (!Sm::kRaw) {
-    load_tile_bf16<kChunk, K, 8, kCbThreads>(Qs, KP, q + qk_off, int64_t{H} * K, len,
-                                             ScaleRstd{rstd_q, cs.start, H, hk});
-    load_tile_bf16<kChunk, K, 8, kCbThreads>(Ks, KP, k + qk_off, int64_t{H} * K, len,
-                                             ScaleRstd{rstd_k, cs.start, H, hk});
-    load_tile_bf16<kChunk, V, 8, kCbThreads>(DOs, VP, dout + v_off, int64_t{HV} * V, len,
-                                             ScaleOne{});
+    load_tile_bf16_at<kChunk, K, 8, kCbThreads>(slab_at<kChunk>(Qs), q + qk_off, int64_t{H} * K,
+                                                len, ScaleRstd{rstd_q, cs.start, H, hk});
+    load_tile_bf16_at<kChunk, K, 8, kCbThreads>(slab_at<kChunk>(Ks), k + qk_off, int64_t{H} * K,
+                                                len, ScaleRstd{rstd_k, cs.start, H, hk});
+    load_tile_bf16_at<kChunk, V, 8, kCbThreads>(slab_at<kChunk>(DOs), dout + v_off,
+                                                int64_t{HV} * V, len, ScaleOne{});
   }
   if (tid < kChunk) {
     sG[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];  // padding rows: G = G_C (as xla)
@@ -254,8 +282,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   cp_async_wait_all();
   if constexpr (Sm::kRaw) {
     if (rstd_q != nullptr || rstd_k != nullptr) __syncthreads();  // sRq, sRk from other threads
-    if (rstd_q != nullptr) scale_tile_bf16<kChunk, K, kCbThreads>(Qs, KP, len, sRq);
-    if (rstd_k != nullptr) scale_tile_bf16<kChunk, K, kCbThreads>(Ks, KP, len, sRk);
+    if (rstd_q != nullptr) scale_tile_bf16_at<kChunk, K, kCbThreads>(slab_at<kChunk>(Qs), len, sRq);
+    if (rstd_k != nullptr) scale_tile_bf16_at<kChunk, K, kCbThreads>(slab_at<kChunk>(Ks), len, sRk);
   }
   {
     float hds = 0.f;
@@ -263,8 +291,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     for (int j = 0; j < PH::kPer; ++j) {
       const int r = PH::row0() + j * PH::kRowStep, c8 = PH::col();
       float fh[8], fs[8];
-      lds8(Hs + r * VP + c8, fh);
-      lds8(DSs + r * VP + c8, fs);
+      lds8(atK(Hs, r, c8), fh);
+      lds8(atK(DSs, r, c8), fs);
 #pragma unroll
       for (int e = 0; e < 8; ++e) hds = fmaf(fh[e], fs[e], hds);
     }
@@ -272,6 +300,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);
     if (lane == 0) sRed[warp] = hds;
   }
+  fence_proxy_async();
   __syncthreads();
 
   const float GC = sG[len - 1];
@@ -283,8 +312,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float att[4][4], dd[4][4];
     zero_acc(att);
     zero_acc(dd);
-    cb_tile<K, false, true>(att, Qs, KP, Ks, KP, m0, n0);
-    cb_tile<V, false, true>(dd, DOs, VP, VNs, VP, m0, n0);
+    cb_begin(att, dd);
+    cb_mma<K, false, true>(att, Qs, Ks, n0);
+    cb_mma<V, false, true>(dd, DOs, VNs, n0);
+    cb_end(att, dd);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -298,12 +329,13 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         sM[i * MP + j] = datt * a;
       }
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
-      cb_st2(Att + i0 * TP + j, att[nt][0], att[nt][1]);
-      cb_st2(Att + i1 * TP + j, att[nt][2], att[nt][3]);
-      cb_st2(DGm + i0 * TP + j, dd[nt][0], dd[nt][1]);
-      cb_st2(DGm + i1 * TP + j, dd[nt][2], dd[nt][3]);
+      cb_st2(at64(Att, i0, j), att[nt][0], att[nt][1]);
+      cb_st2(at64(Att, i1, j), att[nt][2], att[nt][3]);
+      cb_st2(at64(DGm, i0, j), dd[nt][0], dd[nt][1]);
+      cb_st2(at64(DGm, i1, j), dd[nt][2], dd[nt][3]);
     }
   }
+  fence_proxy_async();
   __syncthreads();
 
   // ---- stage 2: dvn = scale Att^T dO + diag(dec) K dS -> Du (bf16)
@@ -314,15 +346,17 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float a1[4][4], a2[4][4];
     zero_acc(a1);
     zero_acc(a2);
-    cb_tile<K, false, false>(a1, Ks, KP, DSs, VP, m0, n0);
-    cb_tile<kChunk, true, false>(a2, Att, TP, DOs, VP, m0, n0);
+    cb_begin(a1, a2);
+    cb_mma<K, false, false>(a1, Ks, DSs, n0);
+    cb_mma<kChunk, true, false>(a2, Att, DOs, n0);
+    cb_end(a1, a2);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
         const float dec = __expf(GC - sG[i]);
-        cb_st2(Du + i * VP + j, dec * a1[nt][2 * hf] + scale * a2[nt][2 * hf],
+        cb_st2(at64(Du, i, j), dec * a1[nt][2 * hf] + scale * a2[nt][2 * hf],
                dec * a1[nt][2 * hf + 1] + scale * a2[nt][2 * hf + 1]);
       }
     }
@@ -335,7 +369,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     cb_tile_pos(it, m0, n0);
     float acc[4][4];
     zero_acc(acc);
-    cb_tile<V, false, true>(acc, DOs, VP, Hs, VP, m0, n0);
+    cb_begin(acc);
+    cb_mma<V, false, true, K>(acc, DOs, Hs, n0);
+    cb_end(acc);
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -344,12 +380,14 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
         const float eg = __expf(sG[i]);
         const float dqg = scale * acc[nt][e];
-        s[e >> 1] += dqg * cb_bf(Qs + i * KP + j) * eg;
+        s[e >> 1] += dqg * cb_bf(at64(Qs, i, j)) * eg;
         acc[nt][e] = dqg * eg;
       }
     }
     cb_row_partial(s[0], s[1], pa, 4, m0, n0);
-    cb_tile<kChunk, false, false>(acc, DGm, TP, Ks, KP, m0, n0);
+    cb_begin(acc);
+    cb_mma<kChunk, false, false>(acc, DGm, Ks, n0);
+    cb_end(acc);
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int i = cb_row(m0, 2 * hf);
@@ -369,7 +407,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     int m0, n0;
     cb_tile_pos(it, m0, n0);
     zero_acc(dk[it]);
-    cb_tile<V, false, true>(dk[it], VNs, VP, DSs, VP, m0, n0);
+    cb_begin(dk[it]);
+    cb_mma<V, false, true, K>(dk[it], VNs, DSs, n0);
+    cb_end(dk[it]);
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -377,41 +417,49 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
         const float dec = __expf(GC - sG[i]);
-        s[e >> 1] += dk[it][nt][e] * cb_bf(Ks + i * KP + j) * dec;
+        s[e >> 1] += dk[it][nt][e] * cb_bf(at64(Ks, i, j)) * dec;
         dk[it][nt][e] *= dec;
       }
     }
     cb_row_partial(s[0], s[1], pb, 4, m0, n0);
-    cb_tile<kChunk, true, false>(dk[it], DGm, TP, Qs, KP, m0, n0);
+    cb_begin(dk[it]);
+    cb_mma<kChunk, true, false>(dk[it], DGm, Qs, n0);
+    cb_end(dk[it]);
   }
+  fence_proxy_async();
   __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
 
   // ---- stage 5: V into dO's slot (bf16: cp.async, in flight during dw); dw = -dvn h^T -> Dw
   //               (bf16, dS's slot)
   if constexpr (Sm::kRaw) {
     // (issue loop unrolled at V = 128, rolled at V = 64: the choice without spills, ptxas 13.0)
-    cp_async_tile<kChunk, V, kCbThreads, V == 128>(Vs, VP, v + v_off, int64_t{HV} * V, len);
+    cp_async_tile_at<kChunk, V, kCbThreads, V == 128>(slab_at<kChunk>(Vs), v + v_off,
+                                                      int64_t{HV} * V, len);
     cp_async_commit();
   }
   if constexpr (!Sm::kRaw)
-    load_tile_bf16<kChunk, V, 8, kCbThreads>(Vs, VP, v + v_off, int64_t{HV} * V, len, ScaleOne{});
+    load_tile_bf16_at<kChunk, V, 8, kCbThreads>(slab_at<kChunk>(Vs), v + v_off, int64_t{HV} * V,
+                                                len, ScaleOne{});
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
     cb_tile_pos(it, m0, n0);
     float acc[4][4];
     zero_acc(acc);
-    cb_tile<V, false, true>(acc, Du, VP, Hs, VP, m0, n0);
+    cb_begin(acc);
+    cb_mma<V, false, true, K>(acc, Du, Hs, n0);
+    cb_end(acc);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
-        cb_st2(Dw + i * KP + j, -acc[nt][2 * hf], -acc[nt][2 * hf + 1]);
+        cb_st2(at64(Dw, i, j), -acc[nt][2 * hf], -acc[nt][2 * hf + 1]);
       }
     }
   }
   if constexpr (Sm::kRaw) cp_async_wait_all();
+  fence_proxy_async();
   __syncthreads();
 
   // ---- stage 6: dA = diag-col(beta) (du V^T + diag-col(e^G) dw K^T) -> DA (bf16);
@@ -422,8 +470,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float a1[4][4], a2[4][4];
     zero_acc(a1);
     zero_acc(a2);
-    cb_tile<V, false, true>(a1, Du, VP, Vs, VP, m0, n0);
-    cb_tile<K, false, true>(a2, Dw, KP, Ks, KP, m0, n0);
+    cb_begin(a1, a2);
+    cb_mma<V, false, true>(a1, Du, Vs, n0);
+    cb_mma<K, false, true>(a2, Dw, Ks, n0);
+    cb_end(a1, a2);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       float x[4];
@@ -433,8 +483,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         x[e] = sB[j] * (a1[nt][e] + __expf(sG[j]) * a2[nt][e]);
       }
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
-      cb_st2(DA + i0 * TP + j, x[0], x[1]);
-      cb_st2(DA + i1 * TP + j, x[2], x[3]);
+      cb_st2(at64(DA, i0, j), x[0], x[1]);
+      cb_st2(at64(DA, i1, j), x[2], x[3]);
     }
   }
 #pragma unroll
@@ -443,13 +493,15 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     cb_tile_pos(it, m0, n0);
     float acc[4][4];
     zero_acc(acc);
-    cb_tile<kChunk, true, false>(acc, As, TP, Du, VP, m0, n0);
+    cb_begin(acc);
+    cb_mma<kChunk, true, false>(acc, As, Du, n0);
+    cb_end(acc);
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        s[e >> 1] += acc[nt][e] * cb_bf(Vs + cb_row(m0, e) * VP + cb_col(n0, nt, e));
+        s[e >> 1] += acc[nt][e] * cb_bf(at64(Vs, cb_row(m0, e), cb_col(n0, nt, e)));
     cb_row_partial(s[0], s[1], pc, 4, m0, n0);
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -469,19 +521,22 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     cb_tile_pos(it, m0, n0);
     float acc[4][4];
     zero_acc(acc);
-    cb_tile<kChunk, true, false>(acc, As, TP, Dw, KP, m0, n0);
+    cb_begin(acc);
+    cb_mma<kChunk, true, false>(acc, As, Dw, n0);
+    cb_end(acc);
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-        s[e >> 1] += acc[nt][e] * cb_bf(Ks + i * KP + j);
+        s[e >> 1] += acc[nt][e] * cb_bf(at64(Ks, i, j));
         dk[it][nt][e] += sB[i] * __expf(sG[i]) * acc[nt][e];
       }
     }
     cb_row_partial(s[0], s[1], pd, 4, m0, n0);
   }
+  fence_proxy_async();
   __syncthreads();  // DA complete
 
   // ---- stage 7: X = A^T dA (bf16)
@@ -490,14 +545,17 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     cb_tile_pos(0, m0, n0);
     float acc[4][4];
     zero_acc(acc);
-    cb_tile<kChunk, true, false>(acc, As, TP, DA, TP, m0, n0);
+    cb_begin(acc);
+    cb_mma<kChunk, true, false>(acc, As, DA, n0);
+    cb_end(acc);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
-      cb_st2(Xs + i0 * TP + j, acc[nt][0], acc[nt][1]);
-      cb_st2(Xs + i1 * TP + j, acc[nt][2], acc[nt][3]);
+      cb_st2(at64(Xs, i0, j), acc[nt][0], acc[nt][1]);
+      cb_st2(at64(Xs, i1, j), acc[nt][2], acc[nt][3]);
     }
   }
+  fence_proxy_async();
   __syncthreads();  // X complete; DA dead
 
   // ---- stage 8: dL = -tril(X A^T, -1), dLG = dL o Gam, N = dLG o K K^T:
@@ -508,8 +566,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[4][4], kk[4][4];
     zero_acc(acc);
     zero_acc(kk);
-    cb_tile<kChunk, false, true>(acc, Xs, TP, As, TP, m0, n0);
-    cb_tile<K, false, true>(kk, Ks, KP, Ks, KP, m0, n0);
+    cb_begin(acc, kk);
+    cb_mma<kChunk, false, true>(acc, Xs, As, n0);
+    cb_mma<K, false, true>(kk, Ks, Ks, n0);
+    cb_end(acc, kk);
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -523,11 +583,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         acc[nt][e] = sB[i] * dlg;
       }
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
-      cb_st2(DKK + i0 * TP + j, acc[nt][0], acc[nt][1]);
-      cb_st2(DKK + i1 * TP + j, acc[nt][2], acc[nt][3]);
+      cb_st2(at64(DKK, i0, j), acc[nt][0], acc[nt][1]);
+      cb_st2(at64(DKK, i1, j), acc[nt][2], acc[nt][3]);
     }
     cb_row_partial(s[0], s[1], pe, 2, m0, n0);
   }
+  fence_proxy_async();
   __syncthreads();  // dKK, M, partial sums complete
 
   // ---- stage 9: dK += dKK K + dKK^T K (global); per-row reductions
@@ -535,8 +596,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
     cb_tile_pos(it, m0, n0);
-    cb_tile<kChunk, false, false>(dk[it], DKK, TP, Ks, KP, m0, n0);
-    cb_tile<kChunk, true, false>(dk[it], DKK, TP, Ks, KP, m0, n0);
+    cb_begin(dk[it]);
+    cb_mma<kChunk, false, false>(dk[it], DKK, Ks, n0);
+    cb_mma<kChunk, true, false>(dk[it], DKK, Ks, n0);
+    cb_end(dk[it]);
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int i = cb_row(m0, 2 * hf);

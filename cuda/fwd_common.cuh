@@ -199,9 +199,9 @@ __device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int6
 
 // In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile times the row
 // scale s[row] (shared memory), rounded to bf16 (the values load_tile_bf16 gives); rows >= len
-// stay zero.
-template <int Rows, int D, int Threads>
-__device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, const float* s) {
+// stay zero. scale_tile_bf16_at: the same with element (t, c) of the tile at at(t, c).
+template <int Rows, int D, int Threads, typename At>
+__device__ __forceinline__ void scale_tile_bf16_at(At at, int len, const float* s) {
   using P = TilePieces<Rows, D, Threads>;
   const int t0 = P::row0(), c = P::col();
 #pragma unroll
@@ -209,10 +209,15 @@ __device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, cons
     const int t = t0 + j * P::kRowStep;
     if (t < len) {
       float f[8];
-      lds8(dst + t * ld + c, f);
-      sts8_bf16(dst + t * ld + c, f, s[t]);
+      lds8(at(t, c), f);
+      sts8_bf16(at(t, c), f, s[t]);
     }
   }
+}
+
+template <int Rows, int D, int Threads>
+__device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, const float* s) {
+  scale_tile_bf16_at<Rows, D, Threads>([=](int t, int c) { return dst + t * ld + c; }, len, s);
 }
 
 // A Rows x D tile into shared memory as bf16 (pitch ld): row t < len is src[t*row_stride + col]
