@@ -2,7 +2,7 @@
 // value heads of one chunk adjacent in the (1-D) grid so GVA heads share k through L2:
 //
 //   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A bf16[NC, HV, 64, 64]
-//          w = A diag(beta e^G) K -> bf16[T, HV, K],  u = A diag(beta) V -> f32[T, HV, V]
+//          w = A diag(beta e^G) K -> bf16[T, HV, K],  u = A diag(beta) V -> bf16[T, HV, V]
 //   wy:    w and u from a given A (the light backward's replay reads the saved A)
 //
 // k (normalised by rstd_k when given) and v are rounded to bf16 in shared memory; K K^T, A Kb and
@@ -90,10 +90,10 @@ __device__ __forceinline__ void wy_panels(const uint32_t (&a)[4][4], const bf16*
   }
 }
 
-// w = A Ks (bf16), u = A Vs (f32) for this warp's rows (a: its bf16 A fragments, 4 k-steps).
+// w = A Ks, u = A Vs (both bf16) for this warp's rows (a: its bf16 A fragments, 4 k-steps).
 __device__ __forceinline__ void wy_store(const uint32_t (&a)[4][4], const bf16* Ks,
                                          const bf16* Vs, bf16* __restrict__ w,
-                                         float* __restrict__ u, ChunkSpan cs, int hv, int HV,
+                                         bf16* __restrict__ u, ChunkSpan cs, int hv, int HV,
                                          int K, int V) {
   constexpr int XP = kWyXP;
   wy_panels(a, Ks, XP, K, w + int64_t{hv} * K, cs.start, int64_t{HV} * K, cs.len);
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kPrepThreads)
               const float* __restrict__ G, const bf16* __restrict__ A,
               const float* __restrict__ rstd,  // nullable
               const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-              bf16* __restrict__ w, float* __restrict__ u, int64_t num_tokens, int H, int HV,
+              bf16* __restrict__ w, bf16* __restrict__ u, int64_t num_tokens, int H, int HV,
               int V) {
   using Sm = WySmem;
   constexpr int AP = Sm::AP;
@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
                 const float* __restrict__ beta, const float* __restrict__ G,
                 const float* __restrict__ rstd,  // nullable
                 const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-                bf16* __restrict__ A, bf16* __restrict__ w, float* __restrict__ u,
+                bf16* __restrict__ A, bf16* __restrict__ w, bf16* __restrict__ u,
                 int64_t num_tokens, int H, int HV, int V) {
   using Sm = PrepSmem<K>;
   constexpr int KP = Sm::KP, AP = Sm::AP;

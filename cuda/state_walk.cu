@@ -5,7 +5,7 @@
 //                           seg_len) -> h bf16[NC, HV, K, V], v_new bf16[T, HV, V],
 //                                       final f32[S, HV, K, V]
 //
-// k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; u f32[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
+// k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; u bf16[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
 // rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K, V in {64, 128}. The h tape and
 // v_new are bf16: the f32 values rounded to nearest, the operands their readers (output,
 // chunk_bwd) used to round them to themselves; the walk itself carries the state in f32.
@@ -28,7 +28,7 @@ namespace jax_cake_gdn {
 namespace {
 
 ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::BF16> w,
-                           ffi::Buffer<ffi::F32> u, ffi::Buffer<ffi::F32> G,
+                           ffi::Buffer<ffi::BF16> u, ffi::Buffer<ffi::F32> G,
                            ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> rstd_k,
                            ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                            ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
@@ -39,7 +39,8 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   const auto kd = k.dimensions();
   const int64_t T = kd[0], H = kd[1], K = kd[2];
   const auto ud = u.dimensions();
-  JCG_CHECK_ARG(ud.size() == 3 && ud[0] == T, "u must be f32[T, HV, V], got shape " + dims_str(ud));
+  JCG_CHECK_ARG(ud.size() == 3 && ud[0] == T,
+                "u must be bf16[T, HV, V], got shape " + dims_str(ud));
   const int64_t HV = ud[1], V = ud[2];
   JCG_CHECK_MSG(check_heads(H, HV));
   JCG_CHECK_MSG(check_v(V));
@@ -74,8 +75,8 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
       const dim3 grid(static_cast<unsigned>(S * HV * (V / kWgVT)));
       err = launch(state_walk_wg_kernel<In, KD>, grid, kWgThreads, WalkWgSmem<In, KD>::bytes,
                    stream, static_cast<const In*>(k.untyped_data()),
-                   static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
-                   h0.typed_data(),
+                   static_cast<const bf16*>(w.untyped_data()),
+                   static_cast<const bf16*>(u.untyped_data()), G.typed_data(), h0.typed_data(),
                    has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                    chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
                    seg_last.typed_data(), seg_len.typed_data(),
@@ -97,7 +98,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // k
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // u
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // u
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
@@ -118,7 +119,7 @@ namespace jax_cake_gdn {
 namespace {
 
 ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> u,
+                            ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::BF16> u,
                             ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
                             ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                             ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
@@ -135,7 +136,8 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                 std::string("k must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
                     dtype_name(k.element_type()));
   const auto ud = u.dimensions();
-  JCG_CHECK_ARG(ud.size() == 3 && ud[0] == T, "u must be f32[T, HV, V], got shape " + dims_str(ud));
+  JCG_CHECK_ARG(ud.size() == 3 && ud[0] == T,
+                "u must be bf16[T, HV, V], got shape " + dims_str(ud));
   const int64_t HV = ud[1], V = ud[2];
   JCG_CHECK_MSG(check_heads(H, HV));
   JCG_CHECK_MSG(check_v(V));
@@ -177,7 +179,8 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                        walk_output_wg_threads<VT>(), WalkOutWgSmem<In, KD, VT>::bytes, stream,
                        static_cast<const In*>(q.untyped_data()),
                        static_cast<const In*>(k.untyped_data()),
-                       static_cast<const bf16*>(w.untyped_data()), u.typed_data(), G.typed_data(),
+                       static_cast<const bf16*>(w.untyped_data()),
+                       static_cast<const bf16*>(u.untyped_data()), G.typed_data(),
                        h0.typed_data(),
                        has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                        has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
@@ -202,7 +205,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output, jax_cake_gdn::walk_outpu
                                   .Arg<xla::ffi::AnyBuffer>()              // q
                                   .Arg<xla::ffi::AnyBuffer>()              // k
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // u
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // u
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q

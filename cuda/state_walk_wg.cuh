@@ -15,11 +15,11 @@
 //   product 2: S = e^{G_C} S + k^T Vd  (per 64-row block of S: m64n64, 4 steps; A = k MN-major)
 // Operand tiles are 128-byte swizzled slabs (wgmma.cuh): w and bf16 k land by cp.async straight
 // into their slabs ([token][key]: K-major for w, MN-major for k); f32 k is staged and rounded
-// into the k slab before product 2. u, G, rstd go through staging. walk_output_wg.cuh computes
-// the state with the same operands and k16 order (its final state is expected bit for bit equal).
-// Shared memory (K = 128): w 16 KB, k 16 KB, Sb 16 KB, Vd 8 KB, u staging 16 KB (f32, 16-byte
-// pieces swizzled), G / rstd 1 KB, + 1 KB for 1024-byte alignment: 74 KB, 3 CTAs per SM (f32 k:
-// + 32 KB of staging, 2 CTAs).
+// into the k slab before product 2; u (bf16) lands in its slab and is read into product 1's
+// accumulator. G, rstd go through staging. walk_output_wg.cuh computes the state with the same
+// operands and k16 order (its final state is expected bit for bit equal).
+// Shared memory (K = 128): w 16 KB, k 16 KB, Sb 16 KB, Vd 8 KB, u 8 KB, G / rstd 1 KB, + 1 KB
+// for 1024-byte alignment: 66 KB, 3 CTAs per SM (f32 k: + 32 KB of staging, 2 CTAs).
 #pragma once
 
 #include <type_traits>
@@ -38,8 +38,8 @@ struct WalkWgSmem {
   static constexpr size_t oKs = oWs + K / 64 * kSlab;      // K / 64 slabs [token][key]
   static constexpr size_t oSb = oKs + K / 64 * kSlab;      // one slab of K rows [key][v]
   static constexpr size_t oVd = oSb + size_t{K} * 128;     // one slab [token][v]
-  static constexpr size_t oStU = oVd + kSlab;              // f32 [64][64]
-  static constexpr size_t oStG = oStU + size_t{kChunk} * 64 * sizeof(float);
+  static constexpr size_t oUs = oVd + kSlab;               // u: one slab [token][v]
+  static constexpr size_t oStG = oUs + kSlab;
   static constexpr size_t oStK = oStG + 2 * 2 * kChunk * sizeof(float);  // G, rstd x 2 chunks
   // f32 k goes through staging (bf16 k lands in Ks itself)
   static constexpr size_t kStK = std::is_same_v<In, bf16> ? 0 : size_t{kChunk} * K * sizeof(In);
@@ -49,7 +49,7 @@ struct WalkWgSmem {
 template <typename In, int K>
 __global__ void __launch_bounds__(kWgThreads, 3)
     state_walk_wg_kernel(const In* __restrict__ k, const bf16* __restrict__ w,
-                         const float* __restrict__ u, const float* __restrict__ G,
+                         const bf16* __restrict__ u, const float* __restrict__ G,
                          const float* __restrict__ h0, const float* __restrict__ rstd,  // nullable
                          const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                          const int32_t* __restrict__ seg_first,
@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kWgThreads, 3)
   unsigned char* Ks = smem + Sm::oKs;
   unsigned char* Sb = smem + Sm::oSb;
   unsigned char* Vd = smem + Sm::oVd;
-  float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
+  unsigned char* Us = smem + Sm::oUs;
   In* stK = reinterpret_cast<In*>(smem + Sm::oStK);  // f32 k only
   float* stG0 = reinterpret_cast<float*>(smem + Sm::oStG);  // chunk c: G at stG0 + (c & 1) * 128,
                                                             // rstd 64 after it
@@ -120,18 +120,13 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     float* stG = stG0 + (c & 1) * 2 * kChunk;
     float* stR = stG + kChunk;
-    const float* src = u + (cs.start * HV + hv) * V + v0;
-#pragma unroll 1
-    for (int i = tid; i < kChunk * 16; i += kWgThreads) {  // 16 pieces of 4 f32 per row
-      const int t = i / 16, c4 = 4 * (i % 16);
-      const bool ok = t < cs.len;
-      cp_async16(stU + ustage_index(t, c4), ok ? src + t * (int64_t{HV} * V) + c4 : src, ok);
-    }
+    cp_async_tile_at<kChunk, 64, kWgThreads, false>(
+        slab_at<kChunk>(Us), u + (cs.start * HV + hv) * V + v0, int64_t{HV} * V, cs.len);
     const RowVector rows[2] = {{stG, G, HV, hv}, {stR, rstd, H, hk}};
     cp_async_row_vectors<kWgThreads>(rows, cs.start, cs.len);
   };
 
-  // Commit groups per chunk c: k(c) at the top; u / G / rstd of c + 1 once the staging is read;
+  // Commit groups per chunk c: k(c) at the top; u / G / rstd of c + 1 once the u slab is read;
   // w of c + 1 once product 1 is done. The top waits for everything; k(c) is waited for before
   // its scaling with the rows of c + 1 still in flight.
   prefetch_rows(c_first);
@@ -151,10 +146,10 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     const float eGC = __expf(GC);
     // product 1's accumulator starts as u (rows >= len are zero)
     float acc[32];
-    wg_load_u<64>(acc, stU, 0, warp);
+    wg_load_slab64(acc, Us, warp);
     wg_write_sb<K>(S, Sb, warp);
     fence_proxy_async();
-    __syncthreads();  // Sb complete; the u staging is read
+    __syncthreads();  // Sb complete; the u slab is read
     if (c < c_last) prefetch_rows(c + 1);
     cp_async_commit();
 

@@ -20,8 +20,8 @@
 // expected bit for bit equal to it); o rounds other operands than the output kernel (which takes
 // bf16(q rq), bf16(k r)), so o agrees with state_walk + output to bf16 rounding.
 // Shared memory (K = V = 128): q, k slabs 2 x 16 KB each, w 16 KB, Sb 2 x 16 KB, Vn and Vd
-// 2 x 8 KB each, Att 8 KB, u staging 32 KB, rows 2 x 768 B, + 1 KB alignment: 187 KB, 1 CTA of
-// 8 warps per SM.
+// 2 x 8 KB each, Att 8 KB, u 16 KB, rows 2 x 768 B, + 1 KB alignment: 171 KB, 1 CTA of 8 warps
+// per SM.
 #pragma once
 
 #include <type_traits>
@@ -43,8 +43,8 @@ struct WalkOutWgSmem {
   static constexpr size_t oVn = oSb + kWarpgroups * size_t{K} * 128;      // per warpgroup
   static constexpr size_t oVd = oVn + kWarpgroups * kSlab;                // per warpgroup
   static constexpr size_t oAtt = oVd + kWarpgroups * kSlab;               // [i][j]
-  static constexpr size_t oStU = oAtt + kSlab;                            // f32 [64][V]
-  static constexpr size_t oRows = oStU + size_t{kChunk} * V * sizeof(float);  // 2 buffers
+  static constexpr size_t oUs = oAtt + kSlab;                      // u: V / 64 slabs [token][v]
+  static constexpr size_t oRows = oUs + kWarpgroups * kSlab;       // 2 buffers
   static constexpr size_t bytes = oRows + 2 * kRows + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_output_wg: shared memory over the sm_90 limit");
 };
@@ -57,7 +57,7 @@ constexpr int walk_output_wg_threads() {
 template <typename In, typename Out, int K, int V>
 __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     walk_output_wg_kernel(const In* __restrict__ qin, const In* __restrict__ k,
-                          const bf16* __restrict__ w, const float* __restrict__ u,
+                          const bf16* __restrict__ w, const bf16* __restrict__ u,
                           const float* __restrict__ G, const float* __restrict__ h0,
                           const float* __restrict__ rstd_q,  // nullable
                           const float* __restrict__ rstd,    // nullable
@@ -76,11 +76,11 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   unsigned char* smem = align_1024(smem_raw);
   unsigned char* Ws = smem + Sm::oWs;
   unsigned char* AttS = smem + Sm::oAtt;
-  float* stU = reinterpret_cast<float*>(smem + Sm::oStU);
+  unsigned char* Us = smem + Sm::oUs;
 
   const int hv = blockIdx.x % HV, s = blockIdx.x / HV;  // segments x heads (table order)
   const int hk = hv / (HV / H);
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in it
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
   unsigned char* Vn = smem + Sm::oVn + wg * Sm::kSlab;
@@ -121,17 +121,12 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
         {r, G, HV, hv}, {r + kChunk, rstd, H, hk}, {r + 2 * kChunk, rstd_q, H, hk}};
     cp_async_row_vectors<kThreads>(vecs, cs.start, cs.len);
   };
-  auto prefetch_wu = [&](int c) {  // w straight into its slabs; u into staging
+  auto prefetch_wu = [&](int c) {  // w and u straight into their slabs
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     cp_async_tile_at<kChunk, K, kThreads, false>(
         slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
-    const float* src = u + (cs.start * HV + hv) * V;
-#pragma unroll 1
-    for (int i = tid; i < kChunk * (V / 4); i += kThreads) {  // pieces of 4 f32
-      const int t = i / (V / 4), c4 = 4 * (i % (V / 4));
-      const bool ok = t < cs.len;
-      cp_async16(stU + ustage_index<V>(t, c4), ok ? src + t * (int64_t{HV} * V) + c4 : src, ok);
-    }
+    cp_async_tile_at<kChunk, V, kThreads, false>(
+        slab_at<kChunk>(Us), u + (cs.start * HV + hv) * V, int64_t{HV} * V, cs.len);
   };
 
   // Commit groups: at the top of chunk c, q / k / rows of c + 1 (into the other buffers); after
@@ -156,7 +151,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     const float* rQ = rstd_q != nullptr ? rG + 2 * kChunk : nullptr;
     const float GC = rG[last];
     float acc[32];
-    wg_load_u<V>(acc, stU, 64 * wg, wq);
+    wg_load_slab64(acc, Us + wg * Sm::kSlab, wq);
     wg_write_sb<K>(S, Sb, wq);
     fence_proxy_async();
     warpgroup_sync(wg);  // Sb complete
@@ -202,7 +197,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     wg_gate_scores<kAttCols>(att, rG, wq, kAttCols * wg, last, rR);
     wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg);
     fence_proxy_async();
-    __syncthreads();  // Att, Vn, Vd complete; every warpgroup is done with Ws and the u staging
+    __syncthreads();  // Att, Vn, Vd complete; every warpgroup is done with Ws and Us
     if (c < c_last) prefetch_wu(c + 1);
     cp_async_commit();
 

@@ -10,26 +10,19 @@
 
 namespace jax_cake_gdn {
 
-// f32 u staging [64][Cols]: 16-byte piece p of row r at position p ^ 2 (r % 4), so that the
-// accumulator-layout float2 reads (rows g, columns 8 j + 2 q) hit 32 distinct banks.
-template <int Cols = 64>
-__device__ __forceinline__ int ustage_index(int r, int c) {
-  return r * Cols + 4 * ((c / 4) ^ (2 * (r & 3))) + (c & 3);
-}
-
-// The accumulator of a 64 x 64 product (rows 16 wq + g + 8 (e / 2), columns 8 j + 2 q + e % 2;
-// wq: the warp in its warpgroup) from the u staging columns col0.. (ustage_index<Cols>).
-template <int Cols>
-__device__ __forceinline__ void wg_load_u(float (&acc)[32], const float* stU, int col0, int wq) {
+// A 64 x 64 accumulator from a bf16 swizzled slab (row r, column c at sw128_offset(r, c); the
+// layout wg_store_slab writes): each thread reads its pairs as 32-bit words.
+__device__ __forceinline__ void wg_load_slab64(float (&acc)[32], const unsigned char* slab,
+                                               int wq) {
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float2 x = *reinterpret_cast<const float2*>(
-          stU + ustage_index<Cols>(16 * wq + g + 8 * half, col0 + 8 * j + 2 * q));
-      acc[4 * j + 2 * half] = x.x;
-      acc[4 * j + 2 * half + 1] = x.y;
+      const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(
+          slab + sw128_offset(16 * wq + g + 8 * half, 8 * j + 2 * q));
+      acc[4 * j + 2 * half] = __low2float(x);
+      acc[4 * j + 2 * half + 1] = __high2float(x);
     }
 }
 

@@ -134,7 +134,7 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
       output_final_state: also return the exit state per document, float32 [N or B, HV, K, V].
       save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays w, u
         and the state walk in the backward; "full" also keeps w, u, the h tape, v_new and the
-        intra-chunk scores (all but u in bfloat16 on the cuda backend, float32 on xla; see
+        intra-chunk scores (bfloat16 on the cuda backend, float32 on xla; see
         `saved_layout`). Both give bitwise-equal gradients. On the cuda backend the
         light forward runs the walk and the output as one kernel (walk_output; the h tape never
         reaches HBM; its o agrees with full's to bf16 rounding, not bit for bit) and is the

@@ -256,8 +256,8 @@ def test_cuda_gradient_uses_the_backward_kernels(save_mode):
 @pytest.mark.parametrize("save_mode", ["light", "full"])
 def test_saved_layout_on_cuda_keeps_bf16_intermediates(save_mode):
     """saved_layout(backend="cuda") equals the residuals JAX keeps for gdn(backend="cuda") (traced
-    abstractly, no GPU needed); A (both modes) and, in full mode, w, the h tape, v_new and the
-    scores are kept in bf16 there (f32 on xla), so saved_bytes drops by half of each."""
+    abstractly, no GPU needed); A (both modes) and, in full mode, w, u, the h tape, v_new and
+    the scores are kept in bf16 there (f32 on xla), so saved_bytes drops by half of each."""
     need_ext()
     q, k, v, g, beta, h0, _ = _abstract_gdn()
     cu = jnp.asarray([0, 1, 64, 64, 200, 300], jnp.int32)  # 5 documents, T = 300
@@ -273,7 +273,7 @@ def test_saved_layout_on_cuda_keeps_bf16_intermediates(save_mode):
             == sorted((tuple(x.shape), str(x.dtype)) for x in kept))
     xla_layout = J.saved_layout(q, k, v, g, beta, initial_state=h0, backend="xla", **kw)
     nb = lambda be: J.saved_bytes(q, k, v, g, beta, initial_state=h0, backend=be, **kw)
-    full = ("h", "w", "v_new", "scores")
+    full = ("h", "w", "u", "v_new", "scores")
     halved = ("A",) + (full if save_mode == "full" else ())  # bf16 on cuda, f32 on xla
     saved = 0
     for name in halved:

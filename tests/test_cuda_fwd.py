@@ -110,17 +110,17 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         out["wy.w"], out["wy.u"] = (wyc, w), (uyc, u)
         wyp, uyp = C.wy(k, v, beta, G, Ac, rk, ct)
         out["w~wy"], out["u~wy"] = (wc, wyp), (uc, uyp)
-        # the cuda kernels take w, h and v_new in bf16 (the rounding they used to apply themselves)
-        wb = w.astype(jnp.bfloat16)
+        # the cuda kernels take w, u, h and v_new in bf16 (as the cuda kernels return them)
+        wb, ub = w.astype(jnp.bfloat16), u.astype(jnp.bfloat16)
         h, vn, fin = X.state_walk(k, w, u, G, h0, rk, ct)
-        hc, vnc, finc = C.state_walk(k, wb, u, G, h0, rk, ct)
+        hc, vnc, finc = C.state_walk(k, wb, ub, G, h0, rk, ct)
         out["h"], out["v_new"], out["final"] = (hc, h), (vnc, vn), (finc, fin)
         hb, vnb = h.astype(jnp.bfloat16), vn.astype(jnp.bfloat16)
         # the fused walk + output: vs xla, and vs the separate cuda kernels (keys "...~sep")
         ow, finw = X.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale, out_dtype=v.dtype)
-        owc, finwc = C.walk_output(q, k, wb, u, G, h0, rq, rk, ct, scale=scale,
+        owc, finwc = C.walk_output(q, k, wb, ub, G, h0, rq, rk, ct, scale=scale,
                                    out_dtype=v.dtype)
-        owc32, _ = C.walk_output(q, k, wb, u, G, h0, rq, rk, ct, scale=scale,
+        owc32, _ = C.walk_output(q, k, wb, ub, G, h0, rq, rk, ct, scale=scale,
                                  out_dtype=jnp.float32)
         osep, _ = C.output(q, k, G, hc, vnc, rq, rk, ct, scale=scale, out_dtype=v.dtype)
         out["walk_output.o"], out["walk_output.final"] = (owc, ow), (finwc, finw)
@@ -188,10 +188,11 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     unwanted = {"wy"} | ({"state_walk", "output"} if save_mode == "light" else {"walk_output"})
     assert not targets & unwanted, targets
     assert "stablehlo.while" not in hlo
-    # A, w bf16 out of prep (w into the walk); full: h and v_new bf16 out of state_walk, into output
+    # A, w, u bf16 out of prep (w, u into the walk); full: h and v_new bf16 out of state_walk,
+    # into output
     pr = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_prep" in ln]
     assert len(pr) == 1 and re.search(
-        r"-> \(tensor<\d+x6x64x64xbf16>, tensor<300x6x128xbf16>, tensor<300x6x128xf32>\)",
+        r"-> \(tensor<\d+x6x64x64xbf16>, tensor<300x6x128xbf16>, tensor<300x6x128xbf16>\)",
         pr[0]), pr
     if save_mode == "full":
         sw = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_state_walk" in ln]
@@ -287,19 +288,23 @@ def test_bad_inputs_raise_value_error():
         cuda.wy(k, jnp.zeros((T, HV, 96), jnp.bfloat16), f, f, jnp.zeros((NC, HV, 64, 64)),
                 None, cs, cs)
     w = jnp.zeros((T, HV, K), jnp.bfloat16)
-    u = jnp.zeros((T, HV, V), jnp.float32)
+    u = jnp.zeros((T, HV, V), jnp.bfloat16)
     s = jnp.zeros((3,), jnp.int32)
     with pytest.raises(ValueError, match="h0"):
         cuda.state_walk(k, w, u, f, jnp.zeros((2, HV, K, V)), None, cs, cs, s, s, s)
+    with pytest.raises(ValueError, match="u must be bfloat16 .as the cuda prep"):
+        cuda.state_walk(k, w, u.astype(jnp.float32), f, jnp.zeros((3, HV, K, V)), None, cs, cs,
+                        s, s, s)
     with pytest.raises(ValueError, match="w must be bfloat16 .as the cuda prep"):
         cuda.state_walk(k, w.astype(jnp.float32), u, f, jnp.zeros((3, HV, K, V)), None, cs, cs,
                         s, s, s)
     hb = jnp.zeros((NC, HV, K, V), jnp.bfloat16)
-    vnb = u.astype(jnp.bfloat16)
+    vnb = u
     with pytest.raises(ValueError, match="out_dtype"):
         cuda.output(k, k, f, hb, vnb, None, None, cs, cs, scale=1.0, out_dtype=jnp.float16)
     with pytest.raises(ValueError, match="v_new must be bfloat16 .as the cuda state_walk"):
-        cuda.output(k, k, f, hb, u, None, None, cs, cs, scale=1.0, out_dtype=jnp.bfloat16)
+        cuda.output(k, k, f, hb, u.astype(jnp.float32), None, None, cs, cs, scale=1.0,
+                    out_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="h must be bfloat16"):
         cuda.output(k, k, f, hb.astype(jnp.float32), vnb, None, None, cs, cs, scale=1.0,
                     out_dtype=jnp.bfloat16)

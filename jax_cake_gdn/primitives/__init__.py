@@ -10,12 +10,13 @@ which keeps neither h nor v_new). Backward: wy (w, u from the saved A, the light
 walk_bwd (reverse state walk), chunk_bwd (all input gradients).
 Signatures: see primitives/xla.py.
 
-The cuda set keeps A, w, v_new, the scores and the state tapes in bfloat16: its prep returns A
-and w (wy: w), its state_walk returns h and v_new, its output the scores and its walk_bwd
-returns dS_end as bf16 (rounded to nearest from f32, the values the kernels that read them used
-as operands anyway), and those kernels accept only bf16 there; the xla set keeps them float32.
-Primitives of the two sets do not mix at these arrays (cast explicitly where a test does:
-`h.astype(jnp.bfloat16)`); u, exit states, dh0 and every other intermediate are float32 in both.
+The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
+A, w and u (wy: w, u), its state_walk returns h and v_new, its output the scores and its walk_bwd
+returns dS_end as bf16 (rounded to nearest from f32: the values the kernels that read them use as
+operands; u starts the walks' f32 v_new accumulator), and those kernels accept only bf16 there;
+the xla set keeps them float32. Primitives of the two sets do not mix at these arrays (cast
+explicitly where a test does: `h.astype(jnp.bfloat16)`); exit states, dh0 and every other
+intermediate are float32 in both.
 
 The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
 ones (and needs neither w nor u): both save modes must give bitwise-equal gradients, and the

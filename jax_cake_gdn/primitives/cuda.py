@@ -207,9 +207,9 @@ def gate_cumsum(g, chunk_start, chunk_len):
 
 # ------------------------------------------------------------------------------------------------
 # Forward kernels (cuda/prep.cu, state_walk.cu, output.cu, l2norm.cu). Interfaces follow
-# primitives/xla.py with the chunk table passed as arrays; u is float32 exactly as there, but A,
-# w, v_new, the scores and the state tape h are bfloat16 (the f32 values rounded to nearest:
-# every kernel that reads them uses them only as bf16 operands), as is the backward's dS_end. The
+# primitives/xla.py with the chunk table passed as arrays, but A, w, u, v_new, the scores and the
+# state tape h are bfloat16 (the f32 values rounded to nearest: every kernel that reads them uses
+# them as bf16 operands, u as the start of an f32 accumulator), as is the backward's dS_end. The
 # cuda primitives therefore do not mix with the xla ones at these arrays without a cast
 # (primitives/__init__.py: one backend per call). q/k/v may be bfloat16 or float32 (same
 # dtype); matrix products run on bf16 tensor cores with float32 accumulation.
@@ -283,7 +283,7 @@ def _f32(fn: str, name: str, x, shape):
 
 
 def _bf16(fn: str, name: str, x, shape, what: str):
-    """A bfloat16 intermediate (A, w, v_new, h, dS_end) of the given shape; `what` says where it
+    """A bfloat16 intermediate (A, w, u, v_new, h, dS_end) of the given shape; `what` says where it
     comes from."""
     x = jnp.asarray(x)
     _check(x.dtype == jnp.bfloat16,
@@ -372,20 +372,21 @@ def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
     """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1 bf16[NC, HV, 64, 64] (computed in f32,
     rounded to nearest: wy and chunk_bwd use it only as a bf16 operand), then
     w = A diag(beta e^G) K bf16[T, HV, K] (likewise rounded: the walks' operand) and
-    u = A diag(beta) V f32[T, HV, V], in one kernel. w and u are bitwise what `wy` gives on this
-    A (the light backward's replay)."""
+    u = A diag(beta) V bf16[T, HV, V] (rounded: the walks start their f32 v_new accumulator
+    from it), in one kernel. w and u are bitwise what `wy` gives on this A (the light backward's
+    replay)."""
     fn = "prep"
     k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
     T, _, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
     A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((T, HV, K), jnp.bfloat16),
-                         ((T, HV, V), jnp.float32)], k, v, beta, G, r, cs, cl)
+                         ((T, HV, V), jnp.bfloat16)], k, v, beta, G, r, cs, cl)
     return A, w, u
 
 
 def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
-    """w = A diag(beta e^G) K bf16[T, HV, K] and u = A diag(beta) V f32[T, HV, V] (as `prep`),
+    """w = A diag(beta e^G) K bf16[T, HV, K] and u = A diag(beta) V bf16[T, HV, V] (as `prep`),
     from A bf16[NC, HV, 64, 64] as `prep` returns it."""
     fn = "wy"
     k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
@@ -393,7 +394,7 @@ def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
     HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
     A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
-    w, u = _call(fn, [((T, HV, K), jnp.bfloat16), ((T, HV, V), jnp.float32)],
+    w, u = _call(fn, [((T, HV, K), jnp.bfloat16), ((T, HV, V), jnp.bfloat16)],
                  k, v, beta, G, A, r, cs, cl)
     return w, u
 
@@ -406,7 +407,7 @@ def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, se
     HV, V = u.shape[1], u.shape[2]
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
-    u = _f32(fn, "u", u, (T, HV, V))
+    u = _bf16(fn, "u", u, (T, HV, V), _W_FROM)
     w = _bf16(fn, "w", w, (T, HV, K), _W_FROM)
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
