@@ -142,13 +142,7 @@ __global__ void __launch_bounds__(kOutThreads, 1)
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      acc[4 * j] *= eg0;
-      acc[4 * j + 1] *= eg0;
-      acc[4 * j + 2] *= eg1;
-      acc[4 * j + 3] *= eg1;
-    }
+    wg_scale_rows(acc, eg0, eg1);
     wgmma_fence_operand(acc);
     wgmma_fence();
 #pragma unroll

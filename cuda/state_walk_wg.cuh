@@ -156,11 +156,7 @@ __global__ void __launch_bounds__(kWgThreads, 3)
     // product 1: v_new = u - Ws Sb
     wgmma_fence_operand(acc);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks)
-      wgmma_m64k16_ss<64, false, true, -1>(
-          acc, sw128_desc(Ws + (ks / 4) * Sm::kSlab + 32 * (ks % 4)),
-          sw128_desc(Sb + 2048 * ks, K * 128), true);
+    wg_issue_product1<K>(acc, Ws, Sb);
     wgmma_commit();
     copy_sb_to_h(c);  // h[c] = S (bf16), while the tensor cores run
     wgmma_wait<0>();

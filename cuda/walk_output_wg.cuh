@@ -166,11 +166,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     wgmma_fence_operand(oacc);
     wgmma_fence_operand(acc);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks)
-      wgmma_m64k16_ss<64, false, true, -1>(
-          acc, sw128_desc(Ws + (ks / 4) * Sm::kSlab + 32 * (ks % 4)),
-          sw128_desc(Sb + 2048 * ks, K * 128), true);
+    wg_issue_product1<K>(acc, Ws, Sb);
     wgmma_commit();
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) {
@@ -203,13 +199,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
 
     // o = e^G (Q S) + Att Vn;  S = e^{G_C} S + K^T Vd
     const float eg0 = __expf(rG[min(i0, last)]), eg1 = __expf(rG[min(i1, last)]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      oacc[4 * j] *= eg0;
-      oacc[4 * j + 1] *= eg0;
-      oacc[4 * j + 2] *= eg1;
-      oacc[4 * j + 3] *= eg1;
-    }
+    wg_scale_rows(oacc, eg0, eg1);
     wg_scale_state<K>(S, __expf(GC));
     wgmma_fence_operand(oacc);
     wgmma_fence();

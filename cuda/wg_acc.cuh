@@ -92,6 +92,30 @@ __device__ __forceinline__ void wg_scale_state(float (&S)[K / 64][32], float e) 
   }
 }
 
+// Issues product 1 of a walk, acc -= Ws Sb (acc holds u): Ws = w as K / 64 K-major slabs
+// [64 tokens][K keys], Sb = bf16(S) as one MN-major slab of K rows (wg_write_sb); K / 16 k-steps.
+// The caller fences before and commits / waits after.
+template <int K>
+__device__ __forceinline__ void wg_issue_product1(float (&acc)[32], const unsigned char* Ws,
+                                                  const unsigned char* Sb) {
+  constexpr uint32_t kSlab = kChunk * 128;
+#pragma unroll
+  for (int ks = 0; ks < K / 16; ++ks)
+    wgmma_m64k16_ss<64, false, true, -1>(acc, sw128_desc(Ws + (ks / 4) * kSlab + 32 * (ks % 4)),
+                                         sw128_desc(Sb + 2048 * ks, K * 128), true);
+}
+
+// Rows 16 wq + g (times s0) and 16 wq + g + 8 (times s1) of a 64 x 64 accumulator.
+__device__ __forceinline__ void wg_scale_rows(float (&acc)[32], float s0, float s1) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    acc[4 * j] *= s0;
+    acc[4 * j + 1] *= s0;
+    acc[4 * j + 2] *= s1;
+    acc[4 * j + 3] *= s1;
+  }
+}
+
 // Issues S[b] += A_b^T B for the 64-key blocks b of a K x 64 state (4 k-steps over the chunk's
 // tokens): A = a [64 tokens][K keys] tile as K / 64 slabs, each an MN-major A; B = a
 // [64 tokens][64] slab, MN-major. The caller fences before and commits / waits after.
