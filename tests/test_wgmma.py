@@ -15,7 +15,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "tests", "cuda", "wgmma_check.cu")
-CASES = 9
+CASES = 11
 
 
 def _nvcc_or_skip() -> str:

@@ -9,7 +9,7 @@
 // Build and run (tests/test_wgmma.py does both), from the repository root:
 //   nvcc -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Icuda tests/cuda/wgmma_check.cu -o x
 //   ./x
-// Exit status 0 when all nine cases match.
+// Exit status 0 when all eleven cases match.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -71,7 +71,9 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
     const int slab = ks / (kSlab / 16), kk = ks % (kSlab / 16);
     const uint64_t da = kMnA ? jcg::sw128_desc(sA + 2048 * ks, kK * 128)
                              : jcg::sw128_desc(sA + slab * kM * 128 + 32 * kk);
-    const uint64_t db = kMnB ? jcg::sw128_desc(sB + 2 * kNOff + 2048 * ks, kK * 128)
+    const uint64_t db = kMnB ? jcg::sw128_desc(sB + (kNOff / 64) * kK * 128 + 2 * (kNOff % 64) +
+                                                   2048 * ks,
+                                               kK * 128)
                              : jcg::sw128_desc(sB + slab * NS * 128 + 128 * kNOff + 32 * kk);
     jcg::wgmma_m64k16_ss<N, kMnA, kMnB, kScaleA>(d, da, db, kC || ks > 0);
   }
@@ -169,14 +171,16 @@ int main() {
   // <N, A MN-major, B MN-major, sign of A, + C>: the four plain products, then the state walk's
   // two (u - W S: A K-major, B MN-major, -A, + C; S + Kd^T v_new: both MN-major, + C) and A
   // MN-major with a K-major B at N = 128
-  // and N = 32 blocks at N offset 32 of a 64-wide tile (chunk_bwd's warp tiles): B K-major
-  // (rows 32..63) and MN-major (columns 32..63 of a swizzled slab)
-  const bool ok[9] = {
+  // and N = 32 blocks at N offset 32 of a 64-wide tile and 96 of a 128-wide one (chunk_bwd's
+  // blocks): B K-major (rows 32.., 96..) and MN-major (columns 32.. of the first slab, 32.. of
+  // the second)
+  const bool ok[11] = {
       check<64, false, false, 1, false>(1u),    check<128, false, false, 1, false>(2u),
       check<64, false, true, 1, false>(3u),     check<128, false, true, 1, false>(4u),
       check<64, false, true, -1, true>(5u),     check<64, true, true, 1, true>(6u),
       check<128, true, false, -1, false>(7u),   check<32, false, false, 1, false, 32>(8u),
-      check<32, true, true, 1, true, 32>(9u)};
+      check<32, true, true, 1, true, 32>(9u),   check<32, false, false, 1, false, 96>(10u),
+      check<32, true, true, 1, true, 96>(11u)};
   bool all = true;
   for (bool x : ok) all = all && x;
   return all ? 0 : 1;
