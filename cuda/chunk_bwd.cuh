@@ -282,8 +282,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   cp_async_wait_all();
   if constexpr (Sm::kRaw) {
     if (rstd_q != nullptr || rstd_k != nullptr) __syncthreads();  // sRq, sRk from other threads
-    if (rstd_q != nullptr) scale_tile_bf16_at<kChunk, K, kCbThreads>(slab_at<kChunk>(Qs), len, sRq);
-    if (rstd_k != nullptr) scale_tile_bf16_at<kChunk, K, kCbThreads>(slab_at<kChunk>(Ks), len, sRk);
+    const auto q_at = slab_at<kChunk>(Qs), k_at = slab_at<kChunk>(Ks);
+    if (rstd_q != nullptr) scale_tile_bf16_at<kChunk, K, kCbThreads>(q_at, len, sRq);
+    if (rstd_k != nullptr) scale_tile_bf16_at<kChunk, K, kCbThreads>(k_at, len, sRk);
   }
   {
     float hds = 0.f;

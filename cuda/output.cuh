@@ -5,9 +5,10 @@
 //                                                 the operand values walk_bwd uses)
 //   o   = scale (diag(e^G) Q h + Att v_new)      -> [T, HV, V] in the output dtype
 //
-// q, k (normalised by rstd when given) are rounded to bf16 in shared memory; h (the state
-// entering the chunk) and v_new are bf16 already (the state walk rounds them) and go straight
-// into their slabs with cp.async. The products run on wgmma (one warpgroup; warp w holds output
+// q, k (normalised by rstd when given) are rounded to bf16 in shared memory (bf16 ones arrive by
+// cp.async and are scaled in place, f32 ones go through registers); h (the state entering the
+// chunk) and v_new are bf16 already (the state walk rounds them) and go straight into their
+// slabs with cp.async. The products run on wgmma (one warpgroup; warp w holds output
 // rows 16w..16w+15); Att goes through a shared slab to Att v_new; o is produced in 64-column
 // panels. e^G multiplies the rows of Q h (never e^{-G}, which can overflow); Gam_ij =
 // exp(G_i - G_j) is evaluated for i >= j only (wg_gate_scores, wg_acc.cuh, shared with the walks).
@@ -26,7 +27,8 @@ struct OutputSmem {
   static constexpr size_t oKs = oQs + K / 64 * kSlab;      // [64][K] as K / 64 slabs
   static constexpr size_t oAtt = oKs + K / 64 * kSlab;     // [i][j]
   static constexpr size_t oHs = oAtt + kSlab;              // h: V / 64 slabs of K rows [key][v]
-  // v_new: V / 64 slabs of 64 rows [token][v]; G; 1 KB for the 1024-byte alignment
+  // v_new: V / 64 slabs of 64 rows [token][v]; G, rstd_q, rstd_k of the chunk's rows; 1 KB for
+  // the 1024-byte alignment
   __host__ __device__ static size_t oVs(int V) {
     return oHs + static_cast<size_t>(V) / 64 * K * 128;
   }
@@ -34,7 +36,7 @@ struct OutputSmem {
     return oVs(V) + static_cast<size_t>(V) / 64 * kSlab;
   }
   __host__ __device__ static size_t bytes(int V) {
-    return oSg(V) + kChunk * sizeof(float) + 1024;
+    return oSg(V) + 3 * kChunk * sizeof(float) + 1024;
   }
 };
 
@@ -62,6 +64,8 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   unsigned char* Hs = smem + Sm::oHs;
   unsigned char* Vs = smem + Sm::oVs(V);
   float* sg = reinterpret_cast<float*>(smem + Sm::oSg(V));
+  float* sRq = sg + kChunk;
+  float* sRk = sRq + kChunk;
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
   const int hk = hv / (HV / H);
@@ -79,7 +83,8 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   }
 
   const int64_t qk_off = cs.start * H * K + hk * K;
-  // h (bf16 [K][V]) and v_new stream in while q, k are converted
+  // h (bf16 [K][V]) and v_new by cp.async; bf16 q, k too, with their rstd rows, then scaled in
+  // place (the values load_tile_bf16 gives); f32 q, k are converted through registers
   const bf16* hsrc = h + (static_cast<int64_t>(c) * HV + hv) * K * V;
   const bf16* vsrc = v_new + (cs.start * HV + hv) * V;
   if (V == 64) {
@@ -89,13 +94,30 @@ __global__ void __launch_bounds__(kOutThreads, 1)
     cp_async_tile_at<K, 128, kOutThreads>(slab_at<K>(Hs), hsrc, V, K);
     cp_async_tile_at<kChunk, 128, kOutThreads>(slab_at<kChunk>(Vs), vsrc, int64_t{HV} * V, len);
   }
+  constexpr bool kRaw = std::is_same_v<In, bf16>;
+  if constexpr (kRaw) {
+    cp_async_tile_at<kChunk, K, kOutThreads>(slab_at<kChunk>(Qs), q + qk_off, int64_t{H} * K, len);
+    cp_async_tile_at<kChunk, K, kOutThreads>(slab_at<kChunk>(Ks), k + qk_off, int64_t{H} * K, len);
+    const RowVector rows[2] = {{sRq, rstd_q, H, hk}, {sRk, rstd_k, H, hk}};
+    cp_async_row_vectors<kOutThreads>(rows, cs.start, len);
+  }
   cp_async_commit();
-  load_tile_bf16_at<kChunk, K, 8, kOutThreads>(slab_at<kChunk>(Qs), q + qk_off, int64_t{H} * K,
-                                               len, ScaleRstd{rstd_q, cs.start, H, hk});
-  load_tile_bf16_at<kChunk, K, 8, kOutThreads>(slab_at<kChunk>(Ks), k + qk_off, int64_t{H} * K,
-                                               len, ScaleRstd{rstd_k, cs.start, H, hk});
+  if constexpr (!kRaw) {
+    load_tile_bf16_at<kChunk, K, 8, kOutThreads>(slab_at<kChunk>(Qs), q + qk_off,
+                                                 int64_t{H} * K, len,
+                                                 ScaleRstd{rstd_q, cs.start, H, hk});
+    load_tile_bf16_at<kChunk, K, 8, kOutThreads>(slab_at<kChunk>(Ks), k + qk_off,
+                                                 int64_t{H} * K, len,
+                                                 ScaleRstd{rstd_k, cs.start, H, hk});
+  }
   if (tid < kChunk) sg[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];
   cp_async_wait_all();
+  if constexpr (kRaw) {
+    if (rstd_q != nullptr || rstd_k != nullptr) __syncthreads();  // rows from other threads
+    const auto q_at = slab_at<kChunk>(Qs), k_at = slab_at<kChunk>(Ks);
+    if (rstd_q != nullptr) scale_tile_bf16_at<kChunk, K, kOutThreads>(q_at, len, sRq);
+    if (rstd_k != nullptr) scale_tile_bf16_at<kChunk, K, kOutThreads>(k_at, len, sRk);
+  }
   fence_proxy_async();
   __syncthreads();
 
