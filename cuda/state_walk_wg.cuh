@@ -60,7 +60,6 @@ __global__ void __launch_bounds__(kWgThreads, 3)
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   constexpr bool kBf16K = std::is_same_v<In, bf16>;
   using Sm = WalkWgSmem<In, K>;
-  constexpr int VT = 64;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
   unsigned char* Ws = smem + Sm::oWs;
@@ -72,9 +71,9 @@ __global__ void __launch_bounds__(kWgThreads, 3)
   float* stG0 = reinterpret_cast<float*>(smem + Sm::oStG);  // chunk c: G at stG0 + (c & 1) * 128,
                                                             // rstd 64 after it
 
-  const int ntiles = V / VT;
+  const int ntiles = V / kWgVT;
   const int tile = blockIdx.x % ntiles, rest = blockIdx.x / ntiles;
-  const int hv = rest % HV, s = rest / HV, v0 = tile * VT;
+  const int hv = rest % HV, s = rest / HV, v0 = tile * kWgVT;
   const int hk = hv / (HV / H);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   const int64_t state_stride = int64_t{K} * V;
