@@ -37,14 +37,14 @@
 // are summed in a fixed order: the kernel is deterministic (no atomics).
 //
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
-// dQ, dV are written as soon as they are final. Shared memory (K = V = 128: about 199 KB, 1 CTA /
+// dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 207 KiB, 1 CTA /
 // SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
 // (bf16), M (f32 64 x 64); a phase-A region (Q, dO, vn, h, dS, Att, dGam) that phase B reuses
-// for dw, V, dA, A^T dA, dKK; A (bf16, as prep stored it); small arrays.
-// Loads: with bf16 inputs every stage-0 operand (h, dS_end, vn, q, k, dO, A, rstd) goes by
-// cp.async in one group, one wait (q, k are then scaled by rstd in place, each thread its own
-// pieces: the values a register pass would give), and V by cp.async at stage 5, in flight while
-// dw is computed; f32 inputs convert q, k, dO, V through registers.
+// for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V; small arrays.
+// Loads: with bf16 inputs every operand goes by cp.async at stage 0 in two groups: what stage 1
+// reads (vn, q, k, dO, rstd; q, k are then scaled by rstd in place, each thread its own pieces:
+// the values a register pass would give), then h, dS_end, A and V, in flight during stage 1;
+// f32 inputs convert q, k, dO (stage 0) and V (stage 5) through registers.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -54,6 +54,7 @@ namespace jax_cake_gdn {
 
 constexpr int kCbThreads = 256;
 constexpr int kCbWarps = kCbThreads / 32;
+static_assert(kChunk == 64, "chunk_bwd: the dg scan holds two rows per lane");
 
 template <typename In, int K, int V>
 struct ChunkBwdSmem {
@@ -75,16 +76,16 @@ struct ChunkBwdSmem {
   static constexpr size_t oDS = oH + kTS;
   static constexpr size_t oAtt = oDS + kTS;
   static constexpr size_t oDG = oAtt + kTT;
-  // A (bf16, as stored), copied at stage 0, read from stage 6 on
+  // A (bf16, as stored) and V (bf16 inputs: copied at stage 0), read from stage 6 on
   static constexpr size_t oA = oDG + kTT;
+  static constexpr size_t oV = oA + kTT;
   // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red,
   // rstd_q, rstd_k of the chunk's rows
-  static constexpr size_t oSmall = oA + kTT;
+  static constexpr size_t oSmall = oV + kTV;
   static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32 + 2 * kChunk;
   static constexpr size_t bytes = oSmall + nSmall * sizeof(float) + 1024;  // + alignment
   // phase B aliases
   static constexpr size_t oDw = oDS;   // 64 x K
-  static constexpr size_t oV = oDO;    // 64 x V
   static constexpr size_t oDA = oAtt;  // 64 x 64, later dKK
   static constexpr size_t oX = oDG;    // 64 x 64
   static_assert(kTK <= kTS, "dw does not fit dS's slot");
@@ -234,14 +235,13 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   const int64_t v_off = (cs.start * HV + hv) * V;
   const int64_t s_off = (static_cast<int64_t>(c) * HV + hv) * K * V;
 
-  // ---- stage 0: operands into shared memory (bf16), G, beta, and sum(dS o h) in f32
+  // ---- stage 0: operands into shared memory (bf16), G, beta
   // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
-  // into their slabs (cp_async_tile_at: the TilePieces mapping; the sum below walks this thread's
-  // pieces of h and dS_end).
+  // into their slabs (cp_async_tile_at: the TilePieces mapping; the sum(dS o h) after stage 1
+  // walks this thread's pieces of h and dS_end). Two groups: what stage 1 reads (vn, and bf16 q,
+  // k, dO with their rstd rows), then h, dS_end and A, which land while stage 1 runs.
   using PH = TilePieces<K, V, kCbThreads>;
   {
-    cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(Hs), h + s_off, V, K);
-    cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(DSs), dS_end + s_off, V, K);
     cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(VNs), v_new + v_off,
                                             int64_t{HV} * V, len);
     if constexpr (Sm::kRaw) {  // bf16 q, k, dO as they are (q, k scaled in place below)
@@ -258,10 +258,16 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       const bool ok = r != nullptr && t < len;
       cp_async4((tid < kChunk ? sRq : sRk) + t, ok ? r + (cs.start + t) * H + hk : G, ok);
     }
-    // A as stored (bf16), for stage 6 on
+    cp_async_commit();
+    cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(Hs), h + s_off, V, K);
+    cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(DSs), dS_end + s_off, V, K);
+    // A as stored (bf16) and bf16 V, for stage 6 on
     cp_async_tile_at<kChunk, kChunk, kCbThreads>(
         slab_at<kChunk>(As), A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk,
         kChunk);
+    if constexpr (Sm::kRaw)
+      cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(Vs), v + v_off, int64_t{HV} * V,
+                                              len);
     cp_async_commit();
   }
   if constexpr (!Sm::kRaw) {
@@ -276,30 +282,14 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     sG[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];  // padding rows: G = G_C (as xla)
     sB[tid] = tid < len ? beta[(cs.start + tid) * HV + hv] : 0.f;
   }
-  // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over the pieces it copied (its own
-  // cp.async writes are visible to it after the wait), in a fixed order; likewise the rstd
-  // scaling of its own q, k pieces
-  cp_async_wait_all();
+  // the rstd scaling of this thread's own q, k pieces (its cp.async writes are visible to it
+  // after the wait)
+  cp_async_wait<1>();
   if constexpr (Sm::kRaw) {
     if (rstd_q != nullptr || rstd_k != nullptr) __syncthreads();  // sRq, sRk from other threads
     const auto q_at = slab_at<kChunk>(Qs), k_at = slab_at<kChunk>(Ks);
     if (rstd_q != nullptr) scale_tile_bf16_at<kChunk, K, kCbThreads>(q_at, len, sRq);
     if (rstd_k != nullptr) scale_tile_bf16_at<kChunk, K, kCbThreads>(k_at, len, sRk);
-  }
-  {
-    float hds = 0.f;
-#pragma unroll 2
-    for (int j = 0; j < PH::kPer; ++j) {
-      const int r = PH::row0() + j * PH::kRowStep, c8 = PH::col();
-      float fh[8], fs[8];
-      lds8(atK(Hs, r, c8), fh);
-      lds8(atK(DSs, r, c8), fs);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) hds = fmaf(fh[e], fs[e], hds);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);
-    if (lane == 0) sRed[warp] = hds;
   }
   fence_proxy_async();
   __syncthreads();
@@ -336,8 +326,26 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cb_st2(at64(DGm, i1, j), dd[nt][2], dd[nt][3]);
     }
   }
+  // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over the pieces it copied, in a
+  // fixed order
+  cp_async_wait_all();
+  {
+    float hds = 0.f;
+#pragma unroll 2
+    for (int j = 0; j < PH::kPer; ++j) {
+      const int r = PH::row0() + j * PH::kRowStep, c8 = PH::col();
+      float fh[8], fs[8];
+      lds8(atK(Hs, r, c8), fh);
+      lds8(atK(DSs, r, c8), fs);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) hds = fmaf(fh[e], fs[e], hds);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);
+    if (lane == 0) sRed[warp] = hds;
+  }
   fence_proxy_async();
-  __syncthreads();
+  __syncthreads();  // M, Att, dGam, h, dS_end (and A) complete
 
   // ---- stage 2: dvn = scale Att^T dO + diag(dec) K dS -> Du (bf16)
 #pragma unroll
@@ -430,14 +438,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   fence_proxy_async();
   __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
 
-  // ---- stage 5: V into dO's slot (bf16: cp.async, in flight during dw); dw = -dvn h^T -> Dw
-  //               (bf16, dS's slot)
-  if constexpr (Sm::kRaw) {
-    // (issue loop unrolled at V = 128, rolled at V = 64: the choice without spills, ptxas 13.0)
-    cp_async_tile_at<kChunk, V, kCbThreads, V == 128>(slab_at<kChunk>(Vs), v + v_off,
-                                                      int64_t{HV} * V, len);
-    cp_async_commit();
-  }
+  // ---- stage 5: dw = -dvn h^T -> Dw (bf16, dS's slot); f32 inputs: V through registers
   if constexpr (!Sm::kRaw)
     load_tile_bf16_at<kChunk, V, 8, kCbThreads>(slab_at<kChunk>(Vs), v + v_off, int64_t{HV} * V,
                                                 len, ScaleOne{});
@@ -459,7 +460,6 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       }
     }
   }
-  if constexpr (Sm::kRaw) cp_async_wait_all();
   fence_proxy_async();
   __syncthreads();
 
@@ -633,27 +633,40 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     const float eg = __expf(sG[i]);
     sdG[i] = i < len ? a - b + rs - cs_ + sB[i] * eg * d : 0.f;
     if (i < len) dbeta[(cs.start + i) * HV + hv] = cc + eg * d + e;
-  } else if (tid == kChunk) {
-    // dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h), in a fixed order
+  } else if (warp == kChunk / 32) {
+    // dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h): lane l sums rows l and l + 32, then a
+    // fixed shuffle tree (deterministic)
     float b = 0.f;
-    for (int i = 0; i < kChunk; ++i)
-      for (int p = 0; p < K / 32; ++p) b += pb[i * 4 + p];
-    float hs = 0.f;
-    for (int w = 0; w < kCbWarps; ++w) hs += sRed[w];
-    sRed[kCbWarps] = b + __expf(GC) * hs;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    // dg_t = dG_C + sum_{t <= i < len} dG_i (reverse in-chunk cumsum; G_C's share enters at the
-    // last row and reaches every row)
-    float run = sRed[kCbWarps];
-    for (int i = len - 1; i >= 0; --i) {
-      run += sdG[i];
-      sdG[i] = run;
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2)
+#pragma unroll
+      for (int p = 0; p < K / 32; ++p) b += pb[(lane + 32 * h2) * 4 + p];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+    if (lane == 0) {
+      float hs = 0.f;
+      for (int w = 0; w < kCbWarps; ++w) hs += sRed[w];
+      sRed[kCbWarps] = b + __expf(GC) * hs;
     }
   }
   __syncthreads();
-  if (tid < len) dg[(cs.start + tid) * HV + hv] = sdG[tid];
+  if (warp == 0) {
+    // dg_t = dG_C + sum_{t <= i < len} dG_i (reverse in-chunk cumsum, sdG = 0 past len): lane l
+    // holds rows 2l, 2l + 1; suffix sums of the pairs over lanes by shuffles, then each row
+    const float x0 = sdG[2 * lane], x1 = sdG[2 * lane + 1];
+    float suf = x0 + x1;  // becomes the sum of pairs l..31
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float up = __shfl_down_sync(0xffffffffu, suf, o);
+      if (lane + o < 32) suf += up;
+    }
+    float after = __shfl_down_sync(0xffffffffu, suf, 1);  // pairs l + 1..31
+    if (lane == 31) after = 0.f;
+    const float r1 = sRed[kCbWarps] + after + x1;
+    const int i0 = 2 * lane;
+    if (i0 < len) dg[(cs.start + i0) * HV + hv] = r1 + x0;
+    if (i0 + 1 < len) dg[(cs.start + i0 + 1) * HV + hv] = r1;
+  }
 }
 
 }  // namespace jax_cake_gdn
