@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
   // into their slabs (cp_async_tile_at: the TilePieces mapping; the sum(dS o h) after stage 1
   // walks this thread's pieces of h and dS_end). Two groups: what stage 1 reads (vn, and bf16 q,
-  // k, dO with their rstd rows), then h, dS_end and A, which land while stage 1 runs.
+  // k, dO with their rstd rows), then h, dS_end, A and bf16 V, which land while stage 1 runs.
   using PH = TilePieces<K, V, kCbThreads>;
   {
     cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(VNs), v_new + v_off,
