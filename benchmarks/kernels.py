@@ -10,10 +10,12 @@ not for comparing with peers (benchmarks/run.py does that). The last rows time t
 forward (light, full) and fwd+bwd the same way, for the sum check.
 
 --base also times the baseline copy of benchmarks/baseline.py ($JCG_BASELINE) in the same
-process: each row then runs current, baseline, baseline, current (median of each pair) and
-reports both and their ratio, and whether the two gave bit-identical outputs (else the largest
-difference relative to the baseline's largest magnitude). Each copy feeds a primitive its own
-intermediates, so below the first row that differs the inputs differ too.
+process: each row then runs `--calls` rounds of one current and one baseline call, alternating
+which goes first, and reports each copy's median, the median of the per-round ratios baseline /
+current with their quartiles (drift over the run cancels within a round; a quartile range that
+holds 1.00 means no measured difference), and whether the two gave bit-identical outputs (else
+the largest difference relative to the baseline's largest magnitude). Each copy feeds a
+primitive its own intermediates, so below the first row that differs the inputs differ too.
 """
 
 from __future__ import annotations
@@ -38,6 +40,28 @@ def _median_ms(fn, *args, calls):
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts) * 1e3)
+
+
+def _paired_ms(fn, a, fb, ab, *, calls):
+    """Rounds of one call each of two functions (fn first in even rounds, fb first in odd ones),
+    each call synchronised: (median ms of fn, of fb, and the median, 25th and 75th percentile of
+    the per-round ratio fb / fn)."""
+    import jax
+
+    for _ in range(2):
+        jax.block_until_ready(fn(*a))
+        jax.block_until_ready(fb(*ab))
+    t = {0: [], 1: []}
+    for r in range(calls):
+        for arm in ((0, 1) if r % 2 == 0 else (1, 0)):
+            f, x = (fn, a) if arm == 0 else (fb, ab)
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*x))
+            t[arm].append(time.perf_counter() - t0)
+    cur, base = np.asarray(t[0]), np.asarray(t[1])
+    ratio = base / cur
+    return (float(np.median(cur) * 1e3), float(np.median(base) * 1e3),
+            tuple(float(np.percentile(ratio, p)) for p in (50, 25, 75)))
 
 
 def compare_outputs(cur, base) -> str:
@@ -159,7 +183,7 @@ def main(argv=None):
     import jax
 
     wl = workloads.get(args.workload)
-    rows, base_rows, base_rev, base_equal = {}, {}, None, {}
+    rows, base_rows, base_rev, base_equal, base_ratio = {}, {}, None, {}, {}
     print(f"[kernels] {wl.name} backend={args.backend} device={jax.devices()[0]}", flush=True)
     cur = primitive_calls(wl, args.backend) + whole_op_calls(wl, args.backend)
     if args.base:
@@ -167,15 +191,15 @@ def main(argv=None):
 
         lib, base_rev = baseline.load()
         base = primitive_calls(wl, args.backend, lib) + whole_op_calls(wl, args.backend, lib)
-        print(f"[kernels] baseline {baseline.BASE} (revision {base_rev}): current, baseline, "
-              f"baseline, current per row", flush=True)
+        print(f"[kernels] baseline {baseline.BASE} (revision {base_rev}): {args.calls} rounds "
+              f"of current and baseline per row, alternating; base/current is the median "
+              f"per-round ratio [quartiles]", flush=True)
         for (name, fn, a), (_, fb, ab) in zip(cur, base):
-            t = [_median_ms(fn, *a, calls=args.calls), _median_ms(fb, *ab, calls=args.calls),
-                 _median_ms(fb, *ab, calls=args.calls), _median_ms(fn, *a, calls=args.calls)]
-            rows[name], base_rows[name] = (t[0] + t[3]) / 2, (t[1] + t[2]) / 2
+            rows[name], base_rows[name], q = _paired_ms(fn, a, fb, ab, calls=args.calls)
+            base_ratio[name] = q
             base_equal[name] = compare_outputs(fn(*a), fb(*ab))
             print(f"  {name:32s} {rows[name]:9.3f} ms  base {base_rows[name]:9.3f} ms  "
-                  f"base/current {base_rows[name] / rows[name]:5.2f}  {base_equal[name]}",
+                  f"base/current {q[0]:5.2f} [{q[1]:4.2f}, {q[2]:4.2f}]  {base_equal[name]}",
                   flush=True)
     else:
         for name, fn, a in cur:
@@ -184,7 +208,8 @@ def main(argv=None):
     res = dict(workload=wl.describe(), backend=args.backend, device=str(jax.devices()[0]),
                calls=args.calls, median_ms=rows)
     if args.base:
-        res.update(base_revision=base_rev, base_median_ms=base_rows, base_outputs=base_equal)
+        res.update(base_revision=base_rev, base_median_ms=base_rows, base_outputs=base_equal,
+                   base_ratio_median_q25_q75=base_ratio)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"kernels_{wl.name}_{args.backend}.json")

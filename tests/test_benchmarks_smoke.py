@@ -164,6 +164,8 @@ def test_baseline_copy_loads_next_to_the_library(tmp_path, monkeypatch):
         assert res["base_revision"] == "abc1234"
         assert set(res["base_median_ms"]) == set(res["median_ms"]), res
         assert all(t > 0 for t in res["base_median_ms"].values())
+        q = res["base_ratio_median_q25_q75"]
+        assert set(q) == set(res["median_ms"]) and all(lo <= m <= hi for m, lo, hi in q.values())
         # the copy is of this tree: every primitive gives the same bits
         assert set(res["base_outputs"].values()) == {{"same bits"}}, res["base_outputs"]
         print("OK")
