@@ -190,3 +190,25 @@ def test_compare_outputs_reports_differences():
     # -0.0 and 0.0 compare equal as numbers but not as bits
     assert compare_outputs((np.float32([-0.0]),), (np.float32([0.0]),)) == (
         "differs (max rel 0.0e+00)")
+
+
+def test_paired_times_alternate_and_give_the_ratio(monkeypatch):
+    # a fake clock: current takes 2 ms a call, baseline 3 ms; the rounds alternate which runs
+    # first (after one warm-up call of each, twice), the ratio is baseline / current per round
+    from benchmarks import kernels
+
+    clock, order = [0.0], []
+
+    def arm(name, seconds):
+        def f():
+            order.append(name)
+            clock[0] += seconds
+            return 0
+        return f
+
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: clock[0])
+    cur, base, (med, q25, q75) = kernels._paired_ms(arm("c", 2e-3), (), arm("b", 3e-3), (),
+                                                    calls=4)
+    assert order == ["c", "b"] * 2 + ["c", "b", "b", "c", "c", "b", "b", "c"]
+    assert cur == pytest.approx(2.0) and base == pytest.approx(3.0)
+    assert med == pytest.approx(1.5) and q25 == pytest.approx(1.5) and q75 == pytest.approx(1.5)
