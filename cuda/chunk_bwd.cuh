@@ -92,6 +92,11 @@ struct ChunkBwdSmem {
   static_assert(bytes <= 227 * 1024, "chunk_bwd: shared memory over the sm_90 limit");
 };
 
+// The 16 floats of a 64 x 32 block's accumulator, as wgmma takes them.
+__device__ __forceinline__ float (&cb_flat(float (&acc)[4][4]))[16] {
+  return reinterpret_cast<float(&)[16]>(acc);
+}
+
 // acc (the 64 x 32 block at columns n0 of a 64 x N result; warp wq of the warpgroup holds rows
 // 16 wq.., the layout of the former 16 x 32 warp tile at m0 = 16 wq) += op(A) op(B), reduction
 // length KD, as one m64n32 wgmma chain per warpgroup: issues only (cb_begin before, cb_end
@@ -102,7 +107,7 @@ struct ChunkBwdSmem {
 template <int KD, bool AT, bool BT, int BR = kChunk>
 __device__ __forceinline__ void cb_mma(float (&acc)[4][4], const unsigned char* a,
                                        const unsigned char* b, int n0) {
-  float(&d)[16] = reinterpret_cast<float(&)[16]>(acc);
+  float(&d)[16] = cb_flat(acc);
 #pragma unroll
   for (int ks = 0; ks < KD / 16; ++ks) {
     const uint64_t da = AT ? sw128_desc(a + 2048 * ks, KD * 128)
@@ -112,10 +117,6 @@ __device__ __forceinline__ void cb_mma(float (&acc)[4][4], const unsigned char* 
            : sw128_desc(b + (n0 / 64) * (KD * 128) + 2 * (n0 % 64) + 2048 * ks, KD * 128);
     wgmma_m64k16_ss<32, AT, !BT, 1>(d, da, db, true);
   }
-}
-
-__device__ __forceinline__ float (&cb_flat(float (&acc)[4][4]))[16] {
-  return reinterpret_cast<float(&)[16]>(acc);
 }
 
 // Before a batch of cb_mma: order the accumulators' register writes before the wgmmas.
@@ -131,12 +132,6 @@ __device__ __forceinline__ void cb_end(Acc&... acc) {
   wgmma_commit();
   wgmma_wait<0>();
   (wgmma_fence_operand(cb_flat(acc)), ...);
-}
-
-// Element (r, c) of a bf16 tile of Rows rows stored as swizzled slabs (slab_offset, wgmma.cuh).
-template <int Rows>
-__device__ __forceinline__ bf16* cb_at(unsigned char* base, int r, int c) {
-  return reinterpret_cast<bf16*>(base + slab_offset<Rows>(r, c));
 }
 
 // Block i of this warp in a 64 x N result: rows m0 = 16 (warp % 4).., columns n0.. (N / 64
@@ -220,9 +215,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   unsigned char* DA = smem + Sm::oDA;
   unsigned char* DKK = smem + Sm::oDA;
   unsigned char* Xs = smem + Sm::oX;
-  // [64][*] and [K][*] slab tiles (cb_at)
-  auto at64 = [](unsigned char* t, int r, int c) { return cb_at<kChunk>(t, r, c); };
-  auto atK = [](unsigned char* t, int r, int c) { return cb_at<K>(t, r, c); };
+  // element (r, c) of a [64][*] or [K][*] slab tile
+  auto at64 = [](unsigned char* t, int r, int c) { return slab_at<kChunk>(t)(r, c); };
+  auto atK = [](unsigned char* t, int r, int c) { return slab_at<K>(t)(r, c); };
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;
   const int hk = hv / (HV / H);
