@@ -87,9 +87,11 @@ _gdn_packed.defvjp(_forward, _backward)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def nan_unless(prims: Primitives, x, ok):
-    """x, or NaN everywhere when the bool scalar ok is False; the cotangent likewise (so bad
-    traced bounds put NaN into the gradients, not zeros). The cuda set does it in place: one
-    launch instead of a pass over x."""
+    """x, or NaN everywhere when the bool scalar ok is False, and the cotangent likewise (bad
+    traced bounds put NaN into the gradients, not zeros). The forward is the primitive (cuda: in
+    place, one launch instead of a pass over o when o leaves the jit); the backward is a `where`,
+    which XLA fuses into the op that makes the cotangent (the in-place kernel would need a copy
+    of a cotangent it cannot alias)."""
     return prims.nan_unless(x, ok)
 
 
@@ -98,7 +100,7 @@ def _nan_unless_fwd(prims, x, ok):
 
 
 def _nan_unless_bwd(prims, ok, dx):
-    return prims.nan_unless(dx, ok), None
+    return jnp.where(ok, dx, jnp.asarray(jnp.nan, dx.dtype)), None
 
 
 nan_unless.defvjp(_nan_unless_fwd, _nan_unless_bwd)
