@@ -2,7 +2,7 @@
 //
 //   jax_cake_gdn_chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k,
 //                          chunk_start, chunk_len; scale)
-//       -> dQ, dK [T, HV, K] in q's dtype (per value head, w.r.t. the normalised q / k: the
+//       -> dQ f32[T, HV, K], dK f32[T, HV, K] (per value head, w.r.t. the normalised q / k: the
 //          caller does the GVA group sum and the L2-norm backward), dV [T, HV, V] in v's dtype,
 //          dg f32[T, HV], dbeta f32[T, HV]
 //
@@ -26,7 +26,7 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> rstd_q,
                           ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                           ffi::Buffer<ffi::S32> chunk_len, float scale,
-                          ffi::Result<ffi::AnyBuffer> dQ, ffi::Result<ffi::AnyBuffer> dK,
+                          ffi::ResultBuffer<ffi::F32> dQ, ffi::ResultBuffer<ffi::F32> dK,
                           ffi::Result<ffi::AnyBuffer> dV, ffi::ResultBuffer<ffi::F32> dg,
                           ffi::ResultBuffer<ffi::F32> dbeta) {
   JCG_CHECK_MSG(check_qk("q", q));
@@ -66,13 +66,10 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                 "h must be bf16[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
   JCG_CHECK_ARG(dims_are(dS_end.dimensions(), {NC, HV, K, V}),
                 "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end.dimensions()));
-  for (const ffi::Result<ffi::AnyBuffer>* d : {&dQ, &dK}) {
-    JCG_CHECK_ARG(dims_are((*d)->dimensions(), {T, HV, K}) &&
-                      (*d)->element_type() == q.element_type(),
-                  std::string("dQ and dK must be [T, HV, K] in q's dtype ") +
-                      dtype_name(q.element_type()) + ", got shape " +
-                      dims_str((*d)->dimensions()));
-  }
+  JCG_CHECK_ARG(dims_are(dQ->dimensions(), {T, HV, K}),
+                "dQ must be f32[T, HV, K], got shape " + dims_str(dQ->dimensions()));
+  JCG_CHECK_ARG(dims_are(dK->dimensions(), {T, HV, K}),
+                "dK must be f32[T, HV, K], got shape " + dims_str(dK->dimensions()));
   JCG_CHECK_ARG(dims_are(dV->dimensions(), {T, HV, V}),
                 "dV must be [T, HV, V], got shape " + dims_str(dV->dimensions()));
   JCG_CHECK_ARG(dV->element_type() == v.element_type(),
@@ -106,9 +103,8 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                      static_cast<const In*>(dout.untyped_data()),
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                     chunk_start.typed_data(), chunk_len.typed_data(),
-                     static_cast<In*>(dQ->untyped_data()), static_cast<In*>(dK->untyped_data()),
-                     static_cast<In*>(dV->untyped_data()), dg->typed_data(),
+                     chunk_start.typed_data(), chunk_len.typed_data(), dQ->typed_data(),
+                     dK->typed_data(), static_cast<In*>(dV->untyped_data()), dg->typed_data(),
                      dbeta->typed_data(), T, static_cast<int>(H), static_cast<int>(HV), scale);
       });
     });
@@ -138,8 +134,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_chunk_bwd, jax_cake_gdn::chunk_bwd_im
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
                                   .Attr<float>("scale")
-                                  .Ret<xla::ffi::AnyBuffer>()              // dQ
-                                  .Ret<xla::ffi::AnyBuffer>()              // dK
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dQ
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dK
                                   .Ret<xla::ffi::AnyBuffer>()              // dV
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dg
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // dbeta

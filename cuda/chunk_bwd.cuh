@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      const In* __restrict__ dout, const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-                     In* __restrict__ dQ, In* __restrict__ dK, In* __restrict__ dV,
+                     float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
                      float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
                      int HV, float scale) {
   using Sm = ChunkBwdSmem<In, K, V>;
@@ -396,7 +396,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     for (int hf = 0; hf < 2; ++hf) {
       const int i = cb_row(m0, 2 * hf);
       if (i < len) {
-        In* op = dQ + ((cs.start + i) * HV + hv) * K;
+        float* op = dQ + ((cs.start + i) * HV + hv) * K;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
           store2(op + cb_col(n0, nt, 0), acc[nt][2 * hf], acc[nt][2 * hf + 1]);
@@ -600,7 +600,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     for (int hf = 0; hf < 2; ++hf) {
       const int i = cb_row(m0, 2 * hf);
       if (i < len) {
-        In* op = dK + ((cs.start + i) * HV + hv) * K;
+        float* op = dK + ((cs.start + i) * HV + hv) * K;
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt)
           store2(op + cb_col(n0, nt, 0), dk[it][nt][2 * hf], dk[it][nt][2 * hf + 1]);

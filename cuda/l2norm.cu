@@ -1,7 +1,7 @@
 // The q / k L2 norm (DESIGN.md section 1), forward and the backward epilogue of dq / dk:
 //
 //   jax_cake_gdn_l2norm_rstd(x [T, H, K] bf16 or f32) -> rstd f32[T, H] = 1 / sqrt(sum x^2 + 1e-6)
-//   jax_cake_gdn_l2norm_bwd(dy [T, HV, K] bf16 or f32, x [T, H, K], rstd f32[T, H] or f32[1])
+//   jax_cake_gdn_l2norm_bwd(dy f32[T, HV, K], x [T, H, K], rstd f32[T, H] or f32[1])
 //       -> dx [T, H, K] in x's dtype:  d = sum_{j < HV/H} dy[:, h HV/H + j]  (the GVA group sum),
 //          dx = rstd (d - (d . y) y) with y = x rstd  (no L2 norm: dx = d)
 //
@@ -64,9 +64,9 @@ ffi::Error l2norm_rstd_impl(cudaStream_t stream, ffi::AnyBuffer x,
 #define JCG_HANDLER_NAME "jax_cake_gdn_l2norm_bwd"
 
 // Row (t, h): lane l holds elements l + 32 i, i < K / 32 (coalesced 128-byte accesses).
-template <typename Dy, typename In, int K>
+template <typename In, int K>
 __global__ void __launch_bounds__(kL2Threads)
-    l2norm_bwd_kernel(const Dy* __restrict__ dy, const In* __restrict__ x,
+    l2norm_bwd_kernel(const float* __restrict__ dy, const In* __restrict__ x,
                       const float* __restrict__ rstd,  // nullable
                       In* __restrict__ dx, int64_t rows, int H, int group) {
   constexpr int E = K / 32;
@@ -75,13 +75,13 @@ __global__ void __launch_bounds__(kL2Threads)
   if (row >= rows) return;
   const int64_t t = row / H;
   const int h = static_cast<int>(row - t * H);
-  const Dy* src = dy + (t * H * group + int64_t{h} * group) * K + lane;
+  const float* src = dy + (t * H * group + int64_t{h} * group) * K + lane;
   float d[E];
 #pragma unroll
-  for (int i = 0; i < E; ++i) d[i] = static_cast<float>(src[32 * i]);
+  for (int i = 0; i < E; ++i) d[i] = src[32 * i];
   for (int j = 1; j < group; ++j) {
 #pragma unroll
-    for (int i = 0; i < E; ++i) d[i] += static_cast<float>(src[int64_t{j} * K + 32 * i]);
+    for (int i = 0; i < E; ++i) d[i] += src[int64_t{j} * K + 32 * i];
   }
   In* out = dx + row * K + lane;
   if (rstd != nullptr) {
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kL2Threads)
   for (int i = 0; i < E; ++i) out[32 * i] = static_cast<In>(d[i]);
 }
 
-ffi::Error l2norm_bwd_impl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+ffi::Error l2norm_bwd_impl(cudaStream_t stream, ffi::Buffer<ffi::F32> dy, ffi::AnyBuffer x,
                            ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx) {
   const auto xd = x.dimensions();
   JCG_CHECK_ARG(xd.size() == 3, "x must be [T, H, K], got shape " + dims_str(xd));
@@ -110,12 +110,9 @@ ffi::Error l2norm_bwd_impl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
                 std::string("x must be bfloat16 or float32, got ") + dtype_name(x.element_type()));
   const int64_t T = xd[0], H = xd[1], K = xd[2];
   JCG_CHECK_ARG(head_dim_supported(K), "K must be 64 or 128, got " + std::to_string(K));
-  JCG_CHECK_ARG(dy.element_type() == ffi::DataType::BF16 || dy.element_type() == ffi::DataType::F32,
-                std::string("dy must be bfloat16 or float32, got ") +
-                    dtype_name(dy.element_type()));
   const auto dd = dy.dimensions();
   JCG_CHECK_ARG(dd.size() == 3 && dd[0] == T && dd[2] == K,
-                "dy must be [T, HV, K] with T = " + std::to_string(T) + ", K = " +
+                "dy must be f32[T, HV, K] with T = " + std::to_string(T) + ", K = " +
                     std::to_string(K) + ", got shape " + dims_str(dd));
   const int64_t HV = dd[1];
   JCG_CHECK_MSG(check_heads(H, HV));
@@ -132,17 +129,14 @@ ffi::Error l2norm_bwd_impl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffe
   cudaError_t err = cudaSuccess;
   dispatch_float_type(x.element_type(), [&](auto tag) {
     using In = typename decltype(tag)::type;
-    dispatch_float_type(dy.element_type(), [&](auto dy_tag) {
-      using Dy = typename decltype(dy_tag)::type;
-      dispatch_head_dim(K, [&](auto kdim) {
-        constexpr int KD = decltype(kdim)::value;
-        l2norm_bwd_kernel<Dy, In, KD><<<ceil_div(rows, kL2Threads / 32), kL2Threads, 0, stream>>>(
-            static_cast<const Dy*>(dy.untyped_data()), static_cast<const In*>(x.untyped_data()),
-            has_rstd ? rstd.typed_data() : static_cast<const float*>(nullptr),
-            static_cast<In*>(dx->untyped_data()), rows, static_cast<int>(H),
-            static_cast<int>(HV / H));
-        err = cudaGetLastError();
-      });
+    dispatch_head_dim(K, [&](auto kdim) {
+      constexpr int KD = decltype(kdim)::value;
+      l2norm_bwd_kernel<In, KD><<<ceil_div(rows, kL2Threads / 32), kL2Threads, 0, stream>>>(
+          dy.typed_data(), static_cast<const In*>(x.untyped_data()),
+          has_rstd ? rstd.typed_data() : static_cast<const float*>(nullptr),
+          static_cast<In*>(dx->untyped_data()), rows, static_cast<int>(H),
+          static_cast<int>(HV / H));
+      err = cudaGetLastError();
     });
   });
   JCG_CHECK_CUDA(err);
@@ -164,7 +158,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_l2norm_rstd, jax_cake_gdn::l2norm_rst
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_l2norm_bwd, jax_cake_gdn::l2norm_bwd_impl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // dy
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dy
                                   .Arg<xla::ffi::AnyBuffer>()              // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd
                                   .Ret<xla::ffi::AnyBuffer>(),             // dx

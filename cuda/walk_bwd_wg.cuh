@@ -7,8 +7,7 @@
 // One CTA of VT / 64 warpgroups per (segment, head, VT columns): warpgroup wg owns columns
 // 64 wg.. of the tile (its dS in K / 64 wgmma accumulators, its slabs Sb = bf16(dS), dOs, dOg,
 // Dvn); Q, K, w and Att slabs are shared. Per chunk:
-//   top: w(c - 1) by cp.async straight into the other w slab (double-buffered by chunk parity,
-//        so w(c) had a whole step to land); staged q, k, dO (and the saved scores) ->
+//   top: w(c) by cp.async straight into its slab; staged q, k, dO (and the saved scores) ->
 //        Qs = q rstd_q, Ks = k rstd_k, dOs = scale dO, dOg = scale e^G dO, Att; Sb = bf16(dS)
 //        (and dS_end[c] from it)
 //   Att (kScores = false): Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT =
@@ -31,8 +30,8 @@ struct WalkBwdWgSmem {
   static constexpr int kWarpgroups = VT / 64;
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  static constexpr size_t oWs = 0;                                  // 2 buffers
-  static constexpr size_t oQs = oWs + 2 * kTok;
+  static constexpr size_t oWs = 0;
+  static constexpr size_t oQs = oWs + kTok;
   static constexpr size_t oKs = oQs + kTok;
   static constexpr size_t oAtt = oKs + kTok;                       // [i][j]
   static constexpr size_t oSb = oAtt + kSlab;                      // per warpgroup, K rows
@@ -76,6 +75,7 @@ __global__ void __launch_bounds__(2 * VT, 1)
   constexpr int kThreads = 2 * VT;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
+  unsigned char* Ws = smem + Sm::oWs;
   unsigned char* Qs = smem + Sm::oQs;
   unsigned char* Ks = smem + Sm::oKs;
   unsigned char* AttS = smem + Sm::oAtt;
@@ -118,11 +118,10 @@ __global__ void __launch_bounds__(2 * VT, 1)
     return;
   }
 
-  auto w_slabs = [&](int b) { return smem + Sm::oWs + b * Sm::kTok; };
-  auto prefetch_w = [&](int c, int b) {  // straight into its slabs
+  auto prefetch_w = [&](int c) {  // straight into its slabs (after the last reader, Ws^T Dvn)
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     cp_async_tile_at<kChunk, K, kThreads, false>(
-        slab_at<kChunk>(w_slabs(b)), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
+        slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
   };
   auto prefetch_rows = [&](int c) {  // q, k, dO columns v0.., G, rstd (and scores) to staging
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
@@ -142,18 +141,16 @@ __global__ void __launch_bounds__(2 * VT, 1)
     cp_async_row_vectors<kThreads>(rows, cs.start, cs.len);
   };
 
-  // Commit groups per chunk c: w(c - 1) at the top (into the buffer chunk c + 1 used); the rows
-  // of c - 1 once the staging is converted. The top waits for everything.
+  // Commit groups per chunk c: w(c) at the top (waited for before the last product); the rows of
+  // c - 1 once the staging is converted. The top waits for everything.
   prefetch_rows(c_last);
-  prefetch_w(c_last, 0);
   cp_async_commit();
-  for (int c = c_last, b = 0; c >= c_first; --c, b ^= 1) {
+  for (int c = c_last; c >= c_first; --c) {
     const int len = chunk_span(cstart, clen, c, num_tokens).len;
     cp_async_wait_all();
-    __syncthreads();  // chunk c's staging and w have landed; every warp is done with chunk c + 1
-    if (c > c_first) prefetch_w(c - 1, b ^ 1);
+    __syncthreads();  // chunk c's staging has landed; every warp is done with chunk c + 1
+    prefetch_w(c);
     cp_async_commit();
-    const unsigned char* Ws = w_slabs(b);
 
     const float GC = len > 0 ? stG[len - 1] : 0.f;
     const float eGC = __expf(GC);
@@ -263,8 +260,9 @@ __global__ void __launch_bounds__(2 * VT, 1)
         *reinterpret_cast<uint32_t*>(Dvn + sw128_offset(t, 8 * j + 2 * qd)) = pack_bf16(-x0, -x1);
       }
     }
+    cp_async_wait<1>();  // w(c) has landed (the rows of c - 1 may still fly)
     fence_proxy_async();
-    __syncthreads();  // Dvn complete
+    __syncthreads();  // Dvn, Ws complete
 
     // dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn (each accumulator: dOg's 4 steps, then Dvn's)
     wg_scale_state<K>(S, eGC);
@@ -274,7 +272,7 @@ __global__ void __launch_bounds__(2 * VT, 1)
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
-    for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
+    for (int b = 0; b < K / 64; ++b) wgmma_fence_operand(S[b]);
   }
 
   wg_state_rw<K>(S, dh0 + state0, V, true, wq);

@@ -334,8 +334,7 @@ def l2norm_rstd(x):
 
 
 def l2norm_bwd(dy, x, rstd):
-    """The dq / dk epilogue: dy [T, HV, K] per value head (bf16 or f32; the cuda chunk_bwd gives
-    it in q's dtype) -> dx [T, H, K] in x's dtype.
+    """The dq / dk epilogue: dy f32[T, HV, K] per value head -> dx [T, H, K] in x's dtype.
 
     Sums each GVA group (value heads h HV/H .. (h + 1) HV/H - 1 read q/k head h) in a fixed
     order, then the L2-norm backward dx = rstd (d - (d . y) y), y = x rstd (rstd None: dx = d).
@@ -347,10 +346,9 @@ def l2norm_bwd(dy, x, rstd):
     _check_dims(fn, K=K)
     dy = jnp.asarray(dy)
     _check(dy.ndim == 3 and dy.shape[0] == T and dy.shape[2] == K,
-           f"{fn}: dy must be [T, HV, K] with T = {T}, K = {K}, got {dy.shape}")
+           f"{fn}: dy must be float32 [T, HV, K] with T = {T}, K = {K}, got {dy.shape}")
     _heads(fn, H, dy.shape[1])
-    _check(dy.dtype in (jnp.bfloat16, jnp.float32),
-           f"{fn}: dy must be bfloat16 or float32, got {dy.dtype}")
+    dy = _f32(fn, "dy", dy, dy.shape)
     r = _rstd(fn, "rstd", rstd, T, H)
     return _call(fn, [(x.shape, x.dtype)], dy, x, r)[0]
 
@@ -553,9 +551,8 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     None. h, v_new and dS_end enter every product as bf16 operands and e^{G_C} sum(dS_end o h)
     (dg) sums their bf16 values in f32.
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
-    The kernel gives per-value-head dq, dk w.r.t. the normalised q, k, in q's dtype (bf16 q:
-    each rounded once before the group sum, which halves their bytes); `l2norm_bwd` (a second
-    kernel) sums the GVA groups in f32 and applies the L2-norm backward.
+    The kernel gives per-value-head dq, dk w.r.t. the normalised q, k; `l2norm_bwd` (a second
+    kernel) sums the GVA groups and applies the L2-norm backward.
     """
     fn = "chunk_bwd"
     q, k = _qk(fn, q, k)
@@ -581,7 +578,7 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     f32 = jnp.float32
     dQ, dK, dv, dg, dbeta = _call(
-        fn, [((T, HV, K), q.dtype), ((T, HV, K), q.dtype), ((T, HV, V), v.dtype), ((T, HV), f32),
+        fn, [((T, HV, K), f32), ((T, HV, K), f32), ((T, HV, V), v.dtype), ((T, HV), f32),
              ((T, HV), f32)],
         q, k, v, beta, G, A, h, v_new, dS_end, do, rq, rk, cs, cl, scale=np.float32(scale))
     return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
