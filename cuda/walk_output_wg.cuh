@@ -19,9 +19,10 @@
 // The state update is state_walk_wg.cuh's (the same operands and k16 order: the final state is
 // expected bit for bit equal to it); o rounds other operands than the output kernel (which takes
 // bf16(q rq), bf16(k r)), so o agrees with state_walk + output to bf16 rounding.
-// Shared memory (K = V = 128): q, k slabs 2 x 16 KB each, w 16 KB, Sb 2 x 16 KB, Vn and Vd
-// 2 x 8 KB each, Att 8 KB, u 16 KB, rows 2 x 768 B, + 1 KB alignment: 171 KB, 1 CTA of 8 warps
-// per SM.
+// Every input of chunk c + 1 (q, k, w, u, rows) is double-buffered and issued at the top of
+// chunk c, so it has a whole chunk step to land.
+// Shared memory (K = V = 128): q, k, w slabs 2 x 16 KB each, Sb 2 x 16 KB, Vn and Vd 2 x 8 KB
+// each, Att 8 KB, u 2 x 16 KB, rows 2 x 768 B, + 1 KB alignment: 203 KB, 1 CTA of 8 warps per SM.
 #pragma once
 
 #include <type_traits>
@@ -38,13 +39,13 @@ struct WalkOutWgSmem {
   static constexpr size_t kRows = 3 * kChunk * sizeof(float);  // G, rstd, rstd_q of a chunk
   static constexpr size_t oQ = 0;                                         // 2 buffers
   static constexpr size_t oK = oQ + 2 * kTok;                             // 2 buffers
-  static constexpr size_t oWs = oK + 2 * kTok;
-  static constexpr size_t oSb = oWs + kTok;                               // per warpgroup
+  static constexpr size_t oWs = oK + 2 * kTok;                            // 2 buffers
+  static constexpr size_t oSb = oWs + 2 * kTok;                           // per warpgroup
   static constexpr size_t oVn = oSb + kWarpgroups * size_t{K} * 128;      // per warpgroup
   static constexpr size_t oVd = oVn + kWarpgroups * kSlab;                // per warpgroup
   static constexpr size_t oAtt = oVd + kWarpgroups * kSlab;               // [i][j]
-  static constexpr size_t oUs = oAtt + kSlab;                      // u: V / 64 slabs [token][v]
-  static constexpr size_t oRows = oUs + kWarpgroups * kSlab;       // 2 buffers
+  static constexpr size_t oUs = oAtt + kSlab;  // u: 2 buffers of V / 64 slabs [token][v]
+  static constexpr size_t oRows = oUs + 2 * kWarpgroups * kSlab;          // 2 buffers
   static constexpr size_t bytes = oRows + 2 * kRows + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_output_wg: shared memory over the sm_90 limit");
 };
@@ -74,9 +75,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
-  unsigned char* Ws = smem + Sm::oWs;
   unsigned char* AttS = smem + Sm::oAtt;
-  unsigned char* Us = smem + Sm::oUs;
 
   const int hv = blockIdx.x % HV, s = blockIdx.x / HV;  // segments x heads (table order)
   const int hk = hv / (HV / H);
@@ -101,6 +100,8 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
 
   auto q_slabs = [&](int b) { return smem + Sm::oQ + b * Sm::kTok; };
   auto k_slabs = [&](int b) { return smem + Sm::oK + b * Sm::kTok; };
+  auto w_slabs = [&](int b) { return smem + Sm::oWs + b * Sm::kTok; };
+  auto u_slabs = [&](int b) { return smem + Sm::oUs + b * Sm::kWarpgroups * Sm::kSlab; };
   auto rows = [&](int b) { return reinterpret_cast<float*>(smem + Sm::oRows + b * Sm::kRows); };
   auto prefetch_qk = [&](int c, int b) {  // q, k into their slabs; G, rstd, rstd_q into rows
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
@@ -121,18 +122,18 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
         {r, G, HV, hv}, {r + kChunk, rstd, H, hk}, {r + 2 * kChunk, rstd_q, H, hk}};
     cp_async_row_vectors<kThreads>(vecs, cs.start, cs.len);
   };
-  auto prefetch_wu = [&](int c) {  // w and u straight into their slabs
+  auto prefetch_wu = [&](int c, int b) {  // w and u straight into their slabs
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     cp_async_tile_at<kChunk, K, kThreads, false>(
-        slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
+        slab_at<kChunk>(w_slabs(b)), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
     cp_async_tile_at<kChunk, V, kThreads, false>(
-        slab_at<kChunk>(Us), u + (cs.start * HV + hv) * V, int64_t{HV} * V, cs.len);
+        slab_at<kChunk>(u_slabs(b)), u + (cs.start * HV + hv) * V, int64_t{HV} * V, cs.len);
   };
 
-  // Commit groups: at the top of chunk c, q / k / rows of c + 1 (into the other buffers); after
-  // product 1 of c, w and u of c + 1. The top of c + 1 waits for both.
+  // One commit group per chunk: at the top of chunk c, everything of c + 1 into the other
+  // buffers (the top of c + 1 waits for it).
   prefetch_qk(c_first, 0);
-  prefetch_wu(c_first);
+  prefetch_wu(c_first, 0);
   cp_async_commit();
   const int i0 = 16 * wq + g, i1 = i0 + 8;  // this thread's accumulator rows
   for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
@@ -141,11 +142,16 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     cp_async_wait_all();
     fence_proxy_async();
     __syncthreads();  // chunk c's slabs, rows, w and u have landed; chunk c - 1 is done
-    if (c < c_last) prefetch_qk(c + 1, b ^ 1);
+    if (c < c_last) {
+      prefetch_qk(c + 1, b ^ 1);
+      prefetch_wu(c + 1, b ^ 1);
+    }
     cp_async_commit();
 
     const unsigned char* Qs = q_slabs(b);
     const unsigned char* Ks = k_slabs(b);
+    const unsigned char* Ws = w_slabs(b);
+    const unsigned char* Us = u_slabs(b);
     const float* rG = rows(b);
     const float* rR = rstd != nullptr ? rG + kChunk : nullptr;
     const float* rQ = rstd_q != nullptr ? rG + 2 * kChunk : nullptr;
@@ -193,9 +199,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     wg_gate_scores<kAttCols>(att, rG, wq, kAttCols * wg, last, rR);
     wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg);
     fence_proxy_async();
-    __syncthreads();  // Att, Vn, Vd complete; every warpgroup is done with Ws and Us
-    if (c < c_last) prefetch_wu(c + 1);
-    cp_async_commit();
+    __syncthreads();  // Att, Vn, Vd complete
 
     // o = e^G (Q S) + Att Vn;  S = e^{G_C} S + K^T Vd
     const float eg0 = __expf(rG[min(i0, last)]), eg1 = __expf(rG[min(i1, last)]);

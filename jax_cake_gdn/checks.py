@@ -139,12 +139,14 @@ def check_gate_options(g, beta, *, use_gate_in_kernel: bool, A_log, dt_bias,
             raise TypeError(f"{name} must be float32, got {x.dtype}")
 
 
-def poison_if_bad_bounds(o, cu_seqlens, T, multiple: int = 1):
-    """o, or NaN everywhere when traced cu_seqlens break the rules checked above for concrete ones
-    (start 0, non-decreasing, last == T, lengths multiples of `multiple`): never silently wrong."""
+def bounds_ok(cu_seqlens, T, multiple: int = 1):
+    """None for concrete cu_seqlens (check_cu_seqlens has checked them); for traced ones, a bool
+    scalar: they keep the rules checked there (start 0, non-decreasing, last == T, lengths
+    multiples of `multiple`). gdn poisons its output with NaN where this is False (never silently
+    wrong)."""
     if concrete(cu_seqlens) is not None:
-        return o
+        return None
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
     lengths = cu[1:] - cu[:-1]
-    ok = (cu[0] == 0) & (cu[-1] == T) & jnp.all(lengths >= 0) & jnp.all(lengths % multiple == 0)
-    return jnp.where(ok, o, jnp.asarray(jnp.nan, o.dtype))
+    return ((cu[0] == 0) & (cu[-1] == T) & jnp.all(lengths >= 0)
+            & jnp.all(lengths % multiple == 0))

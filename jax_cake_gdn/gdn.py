@@ -11,7 +11,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import primitives
-from .checks import check_gdn_inputs, poison_if_bad_bounds
+from .checks import bounds_ok, check_gdn_inputs
 from .chunks import ChunkTable, chunk_table
 from .gates import GATE_OPTIONS, apply_options, saved_layout_gates
 from .primitives import Primitives
@@ -83,6 +83,33 @@ def _gdn_packed(cfg, q, k, v, g, beta, h0, ct):
 
 
 _gdn_packed.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def nan_unless(prims: Primitives, x, ok):
+    """x, or NaN everywhere when the bool scalar ok is False, and the cotangent likewise (bad
+    traced bounds put NaN into the gradients, not zeros). The forward is the primitive (cuda: in
+    place, one launch instead of a pass over o when o leaves the jit); the backward is a `where`,
+    which XLA fuses into the op that makes the cotangent (the in-place kernel would need a copy
+    of a cotangent it cannot alias)."""
+    return prims.nan_unless(x, ok)
+
+
+def _nan_unless_fwd(prims, x, ok):
+    return prims.nan_unless(x, ok), ok
+
+
+def _nan_unless_bwd(prims, ok, dx):
+    return jnp.where(ok, dx, jnp.asarray(jnp.nan, dx.dtype)), None
+
+
+nan_unless.defvjp(_nan_unless_fwd, _nan_unless_bwd)
+
+
+def poison_if_bad_bounds(prims: Primitives, o, cu_seqlens, T, multiple: int = 1):
+    """o, or NaN everywhere when traced cu_seqlens break the rules (checks.bounds_ok)."""
+    ok = bounds_ok(cu_seqlens, T, multiple)
+    return o if ok is None else nan_unless(prims, o, ok)
 
 
 def _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state, save_mode, backend):
@@ -170,7 +197,7 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
     o, final = _gdn_packed(cfg, *_packed_args(d, *args))
     o = o.reshape(d.B, d.T, d.HV, d.V)
     if cu_seqlens is not None:
-        o = poison_if_bad_bounds(o, cu_seqlens, d.T)
+        o = poison_if_bad_bounds(cfg.prims, o, cu_seqlens, d.T)
     return (o, final) if output_final_state else o
 
 

@@ -207,6 +207,28 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     assert "stablehlo.while" in xla_hlo  # the xla walk is a scan: the check can fail
 
 
+def test_lower_bounds_check_in_place_for_cuda():
+    """Traced cu_seqlens are checked on the device: o goes through the in-place nan_unless kernel
+    (its result aliases its input), not a select over [T, HV, V]; the backward's check on dO is a
+    select (fused by XLA into the op that makes dO)."""
+    need_ext()
+    args = _abstract_inputs()
+
+    def loss(q, k, v, g, b, cu, h0):
+        o, fin = _fwd("cuda")(q, k, v, g, b, cu, h0)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(fin)
+
+    select_o = r"stablehlo.select .*tensor<(1x)?300x6x128xbf16>"
+    for f, grad in ((_fwd("cuda"), False), (jax.value_and_grad(loss, argnums=(0, 1, 2)), True)):
+        hlo = _lower_cuda(f, *args)
+        calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_nan_unless" in ln]
+        assert len(calls) == 1, calls
+        assert "output_operand_aliases" in calls[0], calls
+        assert len(re.findall(select_o, hlo)) == (1 if grad else 0)
+    xla_hlo = _lower_cuda(_fwd("xla"), *args)  # the xla set's where: the check can fail
+    assert re.search(select_o, xla_hlo)
+
+
 def test_lower_light_gradient_for_cuda():
     """The light VJP: prep and walk_output in the forward, wy and the state walk replayed in the
     backward (it needs h), and no separate output kernel anywhere."""
@@ -439,6 +461,45 @@ _POISON_CHECK = textwrap.dedent("""
         assert np.isfinite(x[:64]).all() and np.isfinite(x[128:192]).all()
     print("OK")
 """)
+
+
+def test_gpu_nan_unless_in_place():
+    """The cuda bounds check: x bit for bit when ok, every element NaN when not (16-byte words
+    and the tail bytes), the caller's x untouched; and gdn with traced cu_seqlens: good bounds
+    give the concrete-bounds o bit for bit, bad ones an all-NaN o and NaN gradients."""
+    need_gpu()
+    rng = np.random.default_rng(5)
+    f = jax.jit(cuda.nan_unless)
+    for shape, dt in (((3, 37), jnp.bfloat16), ((5, 7), jnp.float32),
+                      ((1000, 6, 128), jnp.bfloat16)):
+        x = jnp.asarray(rng.standard_normal(shape).astype(np.float32), dt)
+        x_host = np.asarray(x, np.float32)
+        assert np.array_equal(np.asarray(f(x, jnp.bool_(True)), np.float32), x_host)
+        assert np.isnan(np.asarray(f(x, jnp.bool_(False)), np.float32)).all(), (shape, dt)
+        assert np.array_equal(np.asarray(x, np.float32), x_host)
+
+    inp = make_inputs(7, H=2, HV=6, dtype=jnp.bfloat16, qk_l2norm=True, initial_state=False)
+    names = ("q", "k", "v", "g", "beta")
+    cu = np.asarray(inp["cu_seqlens"])
+    o_ref = gdn(*(inp[n] for n in names), cu_seqlens=cu, qk_l2norm=True, backend="cuda")
+    fwd = jax.jit(lambda q, k, v, g, b, cu: gdn(q, k, v, g, b, cu_seqlens=cu, qk_l2norm=True,
+                                                backend="cuda"))
+    o = fwd(*(inp[n] for n in names), jnp.asarray(cu))
+    assert np.array_equal(np.asarray(o, np.float32), np.asarray(o_ref, np.float32))
+    bad = cu.copy()
+    bad[-1] -= 1  # last != T
+    assert np.isnan(np.asarray(fwd(*(inp[n] for n in names), jnp.asarray(bad)), np.float32)).all()
+
+    def loss(q, v, cu):
+        o = gdn(q, inp["k"], v, inp["g"], inp["beta"], cu_seqlens=cu, qk_l2norm=True,
+                backend="cuda")
+        return jnp.sum(o.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for d in grad(inp["q"], inp["v"], jnp.asarray(cu)):
+        assert np.isfinite(np.asarray(d, np.float32)).all()
+    for d in grad(inp["q"], inp["v"], jnp.asarray(bad)):
+        assert np.isnan(np.asarray(d, np.float32)).any()
 
 
 def test_gpu_forward_finite_under_poison():

@@ -73,6 +73,20 @@ def test_traced_cu_seqlens_is_accepted_under_jit(args):
         assert np.all(np.isnan(np.asarray(f(jnp.array(bad, jnp.int32)), np.float32)))
 
 
+def test_traced_bad_bounds_give_nan_gradients(args):
+    """The cotangent is poisoned too: malformed traced bounds put NaN into the gradients (the
+    tokens the malformed table still covers), not zeros."""
+    def loss(q, v, cu):
+        o = J.gdn(q, args["k"], v, args["g"], args["beta"], cu_seqlens=cu, backend="xla")
+        return jnp.sum(o.astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    for d in grad(args["q"], args["v"], jnp.array([0, 10, 64], jnp.int32)):
+        assert np.all(np.isfinite(np.asarray(d, np.float32)))
+    for d in grad(args["q"], args["v"], jnp.array([0, 40, 30], jnp.int32)):
+        assert np.isnan(np.asarray(d, np.float32)[:, :30]).all()
+
+
 @pytest.mark.parametrize("x_shape,w_shape,kw,exc,text", [
     ((1, 10), (4, 3), {}, ValueError, "x must be"),
     ((1, 10, 4), (4,), {}, ValueError, "weight must be"),

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from .. import primitives, vma
-from ..checks import check_cu_seqlens, check_gdn_inputs, poison_if_bad_bounds
+from ..checks import check_cu_seqlens, check_gdn_inputs
 from ..chunks import chunk_table
 from ..gates import apply_options
-from ..gdn import _Config, _gdn_packed
+from ..gdn import _Config, _gdn_packed, poison_if_bad_bounds
 from . import exchange as ex
 from .layout import Pieces, chains_and_m, check_layout, local_global_positions, rank_pieces
 from .plan import plan_kcp
@@ -187,5 +187,6 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     h0 = jnp.where(_bcast(tab.takes_carry, carry_u[tab.seg_unit]), carry_u[tab.seg_unit], 0.0)
     h0 = vma.cast(h0, vma.of(v))
     o, _ = _gdn_packed(cfg, q, k, v, g, beta, h0, ct)
-    o = poison_if_bad_bounds(o, cu_seqlens, T_g, 2 * W if layout == "doc_zigzag" else 1)
+    o = poison_if_bad_bounds(cfg.prims, o, cu_seqlens, T_g,
+                             2 * W if layout == "doc_zigzag" else 1)
     return o.reshape(1, T_l, HV, V)

@@ -7,7 +7,8 @@ they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels tod
 Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output
 (o, scores); walk_output (state_walk then output in one: o and exit states, for the light forward,
 which keeps neither h nor v_new). Backward: wy (w, u from the saved A, the light mode's replay),
-walk_bwd (reverse state walk), chunk_bwd (all input gradients).
+walk_bwd (reverse state walk), chunk_bwd (all input gradients). nan_unless (o, or NaN everywhere
+when traced cu_seqlens are malformed; the cuda one works in place).
 Signatures: see primitives/xla.py.
 
 The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
@@ -42,15 +43,16 @@ class Primitives(NamedTuple):
     walk_bwd: Callable
     chunk_bwd: Callable
     walk_output: Callable
+    nan_unless: Callable
 
 
 XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.wy, xla.state_walk,
-                 xla.output, xla.walk_bwd, xla.chunk_bwd, xla.walk_output)
+                 xla.output, xla.walk_bwd, xla.chunk_bwd, xla.walk_output, xla.nan_unless)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
 CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "wy", "state_walk", "output",
                 "walk_output",
-                "walk_bwd", "chunk_bwd")
+                "walk_bwd", "chunk_bwd", "nan_unless")
 BACKENDS = ("xla", "cuda")
 
 
@@ -91,6 +93,7 @@ def _cuda_primitives() -> Primitives:
         walk_output=walk_output,
         walk_bwd=walk_bwd,
         chunk_bwd=chunk_bwd,
+        nan_unless=cuda.nan_unless,
     )
 
 

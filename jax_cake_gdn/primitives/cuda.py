@@ -39,6 +39,7 @@ __all__ = [
     "walk_output",
     "walk_bwd",
     "chunk_bwd",
+    "nan_unless",
     "SUPPORTED_DIMS",
     "supports",
 ]
@@ -162,14 +163,15 @@ def _result(shape, dtype, axes: frozenset) -> jax.ShapeDtypeStruct:
     )
 
 
-def _call(target: str, results, *args, **attrs):
+def _call(target: str, results, *args, input_output_aliases=None, **attrs):
     """ffi_call `jax_cake_gdn_<target>`; `results` is a list of (shape, dtype); inputs' vma is
     unified and carried by every result."""
     _ensure()
     axes = vma.union(*args)
     args = [vma.cast(x, axes) for x in args]
     out_types = [_result(shape, dtype, axes) for shape, dtype in results]
-    fn = jax.ffi.ffi_call(_TARGET_PREFIX + target, out_types, vmap_method="sequential")
+    fn = jax.ffi.ffi_call(_TARGET_PREFIX + target, out_types, vmap_method="sequential",
+                          input_output_aliases=input_output_aliases)
     return fn(*args, **attrs)
 
 
@@ -594,6 +596,17 @@ CONV_MAX_WIDTH = 4
 _CONV_MIN_TOKENS = 64  # the backward's token block per dweight partial: at least this many
 _CONV_MAX_PARTIALS = 128  # and at most this many partials (workspace f32[NB, C, W]: 21 MB at
 # C = 10240, W = 4; each backward CTA then walks >= 4 tiles of 64 tokens at T = 32768)
+
+
+def nan_unless(x, ok):
+    """x, or NaN everywhere (every byte 0xFF) when the bool / int scalar ok is false, in place
+    (the result aliases x): costs a launch, not a pass over x. x: bf16, f16, f32 or f64."""
+    _check(x.dtype in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64),
+           f"nan_unless: x must be bf16, f16, f32 or f64, got {x.dtype}")
+    _check(jnp.ndim(ok) == 0, f"nan_unless: ok must be a scalar, got shape {jnp.shape(ok)}")
+    ok = jnp.asarray(ok).astype(jnp.int32)
+    (out,) = _call("nan_unless", [(x.shape, x.dtype)], x, ok, input_output_aliases={0: 0})
+    return out
 
 
 def conv_partials(T: int) -> int:

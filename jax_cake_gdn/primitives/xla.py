@@ -296,3 +296,8 @@ def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do, rstd_q, r
     dq = _l2norm_bwd(_group_sum(_ht(dQ, ct), H), q, rstd_q).astype(q.dtype)
     dk = _l2norm_bwd(_group_sum(_ht(dK, ct), H), k, rstd_k).astype(k.dtype)
     return dq, dk, _ht(dV, ct).astype(v.dtype), _ht(dg, ct), _ht(dbeta, ct)
+
+
+def nan_unless(x, ok):
+    """x where the bool scalar ok holds, else NaN everywhere (the op output's bounds check)."""
+    return jnp.where(ok, x, jnp.asarray(jnp.nan, x.dtype))
