@@ -212,3 +212,46 @@ def test_paired_times_alternate_and_give_the_ratio(monkeypatch):
     assert order == ["c", "b"] * 2 + ["c", "b", "b", "c", "c", "b", "b", "c"]
     assert cur == pytest.approx(2.0) and base == pytest.approx(3.0)
     assert med == pytest.approx(1.5) and q25 == pytest.approx(1.5) and q75 == pytest.approx(1.5)
+
+
+# A trimmed `ncu --csv --metrics gpu__time_duration.sum` output of the session-9 run (H200).
+_NCU_CSV = '''==WARNING== Note: Running with unmodified GPU clocks.
+==PROF== Connected to process 1366 (/usr/bin/python3.12)
+done
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1366","python3.12","127.0.0.1","void jax_cake_gdn::<unnamed>::l2norm_rstd_kernel<__nv_bfloat16>(const T1 *, float *, long, int)","1","14","(256, 1, 1)","(65536, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","65,568"
+"1","1366","python3.12","127.0.0.1","void jax_cake_gdn::<unnamed>::l2norm_rstd_kernel<__nv_bfloat16>(const T1 *, float *, long, int)","1","14","(256, 1, 1)","(65536, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","65,792"
+"2","1366","python3.12","127.0.0.1","void jax_cake_gdn::walk_output_wg_kernel<__nv_bfloat16, __nv_bfloat16, (int)128, (int)128>(const T1 *, float)","1","14","(256, 1, 1)","(192, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","us","1,347.26"
+"3","1366","python3.12","127.0.0.1","loop_select_fusion","1","14","(128, 1, 1)","(393216, 1, 1)","0","9.0","Command line profiler metrics","gpu__time_duration.sum","ns","240,960"
+==PROF== Disconnected from process 1366
+'''
+
+
+def test_device_times_parses_ncu_csv(monkeypatch, capsys):
+    """benchmarks.device_times: launches in order with ms (ns, us units, thousands separators),
+    short names, per-kernel totals; a clear exit code when ncu is missing. The ncu run itself
+    needs a GPU (not run here)."""
+    from benchmarks import device_times as dt
+
+    rows = dt.parse_ncu_csv(_NCU_CSV)
+    assert [round(ms, 6) for _, ms in rows] == [0.065568, 0.065792, 1.34726, 0.24096]
+    names = [dt.short_name(n) for n, _ in rows]
+    assert names == ["l2norm_rstd_kernel<bf16>", "l2norm_rstd_kernel<bf16>",
+                     "walk_output_wg_kernel<bf16, bf16, 128, 128>", "loop_select_fusion"]
+    s = dt.summarize(rows)
+    assert list(s) == names[1:]  # first-launch order, repeated names merged
+    assert s["l2norm_rstd_kernel<bf16>"]["calls"] == 2
+    assert s["l2norm_rstd_kernel<bf16>"]["ms"] == pytest.approx(0.13136)
+    assert dt.parse_ncu_csv("no csv here\n") == []
+    monkeypatch.setattr(dt, "find_ncu", lambda: None)
+    assert dt.main(["--workload", "tiny"]) == 2
+    assert "ncu not found" in capsys.readouterr().err
+
+
+def test_device_times_child_runs_the_op():
+    """The child (what ncu profiles) runs one op on host-rounded inputs; on CPU with xla."""
+    from benchmarks import device_times as dt
+
+    for op in ("fwd", "fwd+bwd"):
+        assert dt.main([dt._CHILD, "--workload", "tiny", "--ops", op, "--modes", "light",
+                        "--backend", "xla"]) == 0
