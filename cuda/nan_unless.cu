@@ -1,4 +1,4 @@
-// x, or NaN everywhere: the in-place form of `where(ok, x, nan)` (jax_cake_gdn/checks.py).
+// x, or NaN everywhere: the in-place form of `where(ok, x, nan)` (primitives/xla.py nan_unless).
 //
 //   jax_cake_gdn_nan_unless(x [any shape] bf16/f16/f32/f64, ok int32[]) -> x, aliased to the input:
 //       unchanged when ok != 0, every byte 0xFF (a NaN in every float dtype) when ok == 0.
