@@ -100,7 +100,7 @@ def _nan_unless_fwd(prims, x, ok):
 
 
 def _nan_unless_bwd(prims, ok, dx):
-    return jnp.where(ok, dx, jnp.asarray(jnp.nan, dx.dtype)), None
+    return primitives.XLA.nan_unless(dx, ok), None
 
 
 nan_unless.defvjp(_nan_unless_fwd, _nan_unless_bwd)
