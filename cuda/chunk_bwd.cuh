@@ -36,6 +36,8 @@
 // Per-row reductions (dG, dbeta, dG_C) go through per-tile partial arrays in shared memory and
 // are summed in a fixed order: the kernel is deterministic (no atomics).
 //
+// Where a stage has several blocks per warpgroup (K / 64 or V / 64 of them), their chains go out
+// as one batch before one wait (cb_begin_all / cb_end_all), not block by block.
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
 // dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 207 KiB, 1 CTA /
 // SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
@@ -132,6 +134,24 @@ __device__ __forceinline__ void cb_end(Acc&... acc) {
   wgmma_commit();
   wgmma_wait<0>();
   (wgmma_fence_operand(cb_flat(acc)), ...);
+}
+
+// cb_begin / cb_end over arrays of blocks (one batch: every chain issued before one wait).
+template <int N>
+__device__ __forceinline__ void cb_fence_blocks(float (&acc)[N][4][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) wgmma_fence_operand(cb_flat(acc[i]));
+}
+template <int... N>
+__device__ __forceinline__ void cb_begin_all(float (&... acc)[N][4][4]) {
+  (cb_fence_blocks(acc), ...);
+  wgmma_fence();
+}
+template <int... N>
+__device__ __forceinline__ void cb_end_all(float (&... acc)[N][4][4]) {
+  wgmma_commit();
+  wgmma_wait<0>();
+  (cb_fence_blocks(acc), ...);
 }
 
 // Block i of this warp in a 64 x N result: rows m0 = 16 (warp % 4).., columns n0.. (N / 64
@@ -343,63 +363,92 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   __syncthreads();  // M, Att, dGam, h, dS_end (and A) complete
 
   // ---- stage 2: dvn = scale Att^T dO + diag(dec) K dS -> Du (bf16)
+  {
+    float a1[V / 64][4][4], a2[V / 64][4][4];
 #pragma unroll
-  for (int it = 0; it < V / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    float a1[4][4], a2[4][4];
-    zero_acc(a1);
-    zero_acc(a2);
-    cb_begin(a1, a2);
-    cb_mma<K, false, false>(a1, Ks, DSs, n0);
-    cb_mma<kChunk, true, false>(a2, Att, DOs, n0);
-    cb_end(a1, a2);
+    for (int it = 0; it < V / 64; ++it) {
+      zero_acc(a1[it]);
+      zero_acc(a2[it]);
+    }
+    cb_begin_all(a1, a2);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+    for (int it = 0; it < V / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      cb_mma<K, false, false>(a1[it], Ks, DSs, n0);
+      cb_mma<kChunk, true, false>(a2[it], Att, DOs, n0);
+    }
+    cb_end_all(a1, a2);
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
-        const float dec = __expf(GC - sG[i]);
-        cb_st2(at64(Du, i, j), dec * a1[nt][2 * hf] + scale * a2[nt][2 * hf],
-               dec * a1[nt][2 * hf + 1] + scale * a2[nt][2 * hf + 1]);
+    for (int it = 0; it < V / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
+          const float dec = __expf(GC - sG[i]);
+          cb_st2(at64(Du, i, j), dec * a1[it][nt][2 * hf] + scale * a2[it][nt][2 * hf],
+                 dec * a1[it][nt][2 * hf + 1] + scale * a2[it][nt][2 * hf + 1]);
+        }
       }
     }
   }
 
   // ---- stage 3: dQ = diag(e^G) dQg + dGam K, dQg = scale dO h^T  (written to global)
+  // (this stage and the next ones issue the chains of all their blocks as one batch)
+  {
+    float acc[K / 64][4][4];
 #pragma unroll
-  for (int it = 0; it < K / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    float acc[4][4];
-    zero_acc(acc);
-    cb_begin(acc);
-    cb_mma<V, false, true, K>(acc, DOs, Hs, n0);
-    cb_end(acc);
-    float s[2] = {0.f, 0.f};
+    for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
+    cb_begin_all(acc);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-        const float eg = __expf(sG[i]);
-        const float dqg = scale * acc[nt][e];
-        s[e >> 1] += dqg * cb_bf(at64(Qs, i, j)) * eg;
-        acc[nt][e] = dqg * eg;
-      }
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      cb_mma<V, false, true, K>(acc[it], DOs, Hs, n0);
     }
-    cb_row_partial(s[0], s[1], pa, 4, m0, n0);
-    cb_begin(acc);
-    cb_mma<kChunk, false, false>(acc, DGm, Ks, n0);
-    cb_end(acc);
+    cb_end_all(acc);
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int i = cb_row(m0, 2 * hf);
-      if (i < len) {
-        float* op = dQ + ((cs.start + i) * HV + hv) * K;
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      float s[2] = {0.f, 0.f};
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          store2(op + cb_col(n0, nt, 0), acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
+          const float eg = __expf(sG[i]);
+          const float dqg = scale * acc[it][nt][e];
+          s[e >> 1] += dqg * cb_bf(at64(Qs, i, j)) * eg;
+          acc[it][nt][e] = dqg * eg;
+        }
+      }
+      cb_row_partial(s[0], s[1], pa, 4, m0, n0);
+    }
+    cb_begin_all(acc);
+#pragma unroll
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      cb_mma<kChunk, false, false>(acc[it], DGm, Ks, n0);
+    }
+    cb_end_all(acc);
+#pragma unroll
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = cb_row(m0, 2 * hf);
+        if (i < len) {
+          float* op = dQ + ((cs.start + i) * HV + hv) * K;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+            store2(op + cb_col(n0, nt, 0), acc[it][nt][2 * hf], acc[it][nt][2 * hf + 1]);
+        }
       }
     }
   }
@@ -407,13 +456,19 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   // ---- stage 4: dK (registers) = diag(dec) vn dS^T + dGam^T Q
   float dk[K / 64][4][4];
 #pragma unroll
+  for (int it = 0; it < K / 64; ++it) zero_acc(dk[it]);
+  cb_begin_all(dk);
+#pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
     cb_tile_pos(it, m0, n0);
-    zero_acc(dk[it]);
-    cb_begin(dk[it]);
     cb_mma<V, false, true, K>(dk[it], VNs, DSs, n0);
-    cb_end(dk[it]);
+  }
+  cb_end_all(dk);
+#pragma unroll
+  for (int it = 0; it < K / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -426,10 +481,15 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       }
     }
     cb_row_partial(s[0], s[1], pb, 4, m0, n0);
-    cb_begin(dk[it]);
-    cb_mma<kChunk, true, false>(dk[it], DGm, Qs, n0);
-    cb_end(dk[it]);
   }
+  cb_begin_all(dk);
+#pragma unroll
+  for (int it = 0; it < K / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    cb_mma<kChunk, true, false>(dk[it], DGm, Qs, n0);
+  }
+  cb_end_all(dk);
   fence_proxy_async();
   __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
 
@@ -437,21 +497,29 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   if constexpr (!Sm::kRaw)
     load_tile_bf16_at<kChunk, V, 8, kCbThreads>(slab_at<kChunk>(Vs), v + v_off, int64_t{HV} * V,
                                                 len, ScaleOne{});
+  {
+    float acc[K / 64][4][4];
 #pragma unroll
-  for (int it = 0; it < K / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    float acc[4][4];
-    zero_acc(acc);
-    cb_begin(acc);
-    cb_mma<V, false, true, K>(acc, Du, Hs, n0);
-    cb_end(acc);
+    for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
+    cb_begin_all(acc);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      cb_mma<V, false, true, K>(acc[it], Du, Hs, n0);
+    }
+    cb_end_all(acc);
 #pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
-        cb_st2(at64(Dw, i, j), -acc[nt][2 * hf], -acc[nt][2 * hf + 1]);
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
+          cb_st2(at64(Dw, i, j), -acc[it][nt][2 * hf], -acc[it][nt][2 * hf + 1]);
+        }
       }
     }
   }
@@ -483,54 +551,70 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cb_st2(at64(DA, i1, j), x[2], x[3]);
     }
   }
+  {
+    float acc[V / 64][4][4];
 #pragma unroll
-  for (int it = 0; it < V / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    float acc[4][4];
-    zero_acc(acc);
-    cb_begin(acc);
-    cb_mma<kChunk, true, false>(acc, As, Du, n0);
-    cb_end(acc);
-    float s[2] = {0.f, 0.f};
+    for (int it = 0; it < V / 64; ++it) zero_acc(acc[it]);
+    cb_begin_all(acc);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int it = 0; it < V / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      cb_mma<kChunk, true, false>(acc[it], As, Du, n0);
+    }
+    cb_end_all(acc);
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        s[e >> 1] += acc[nt][e] * cb_bf(at64(Vs, cb_row(m0, e), cb_col(n0, nt, e)));
-    cb_row_partial(s[0], s[1], pc, 4, m0, n0);
+    for (int it = 0; it < V / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      float s[2] = {0.f, 0.f};
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int i = cb_row(m0, 2 * hf);
-      if (i < len) {
-        In* op = dV + ((cs.start + i) * HV + hv) * V;
-        const float b = sB[i];
+      for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          store2(op + cb_col(n0, nt, 0), b * acc[nt][2 * hf], b * acc[nt][2 * hf + 1]);
+        for (int e = 0; e < 4; ++e)
+          s[e >> 1] += acc[it][nt][e] * cb_bf(at64(Vs, cb_row(m0, e), cb_col(n0, nt, e)));
+      cb_row_partial(s[0], s[1], pc, 4, m0, n0);
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = cb_row(m0, 2 * hf);
+        if (i < len) {
+          In* op = dV + ((cs.start + i) * HV + hv) * V;
+          const float b = sB[i];
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt)
+            store2(op + cb_col(n0, nt, 0), b * acc[it][nt][2 * hf], b * acc[it][nt][2 * hf + 1]);
+        }
       }
     }
   }
+  {
+    float acc[K / 64][4][4];
 #pragma unroll
-  for (int it = 0; it < K / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    float acc[4][4];
-    zero_acc(acc);
-    cb_begin(acc);
-    cb_mma<kChunk, true, false>(acc, As, Dw, n0);
-    cb_end(acc);
-    float s[2] = {0.f, 0.f};
+    for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
+    cb_begin_all(acc);
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-        s[e >> 1] += acc[nt][e] * cb_bf(at64(Ks, i, j));
-        dk[it][nt][e] += sB[i] * __expf(sG[i]) * acc[nt][e];
-      }
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      cb_mma<kChunk, true, false>(acc[it], As, Dw, n0);
     }
-    cb_row_partial(s[0], s[1], pd, 4, m0, n0);
+    cb_end_all(acc);
+#pragma unroll
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos(it, m0, n0);
+      float s[2] = {0.f, 0.f};
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
+          s[e >> 1] += acc[it][nt][e] * cb_bf(at64(Ks, i, j));
+          dk[it][nt][e] += sB[i] * __expf(sG[i]) * acc[it][nt][e];
+        }
+      }
+      cb_row_partial(s[0], s[1], pd, 4, m0, n0);
+    }
   }
   fence_proxy_async();
   __syncthreads();  // DA complete
@@ -588,14 +672,19 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   __syncthreads();  // dKK, M, partial sums complete
 
   // ---- stage 9: dK += dKK K + dKK^T K (global); per-row reductions
+  cb_begin_all(dk);
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
     cb_tile_pos(it, m0, n0);
-    cb_begin(dk[it]);
     cb_mma<kChunk, false, false>(dk[it], DKK, Ks, n0);
     cb_mma<kChunk, true, false>(dk[it], DKK, Ks, n0);
-    cb_end(dk[it]);
+  }
+  cb_end_all(dk);
+#pragma unroll
+  for (int it = 0; it < K / 64; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int i = cb_row(m0, 2 * hf);

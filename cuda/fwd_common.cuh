@@ -153,18 +153,20 @@ __device__ __forceinline__ void store2(bf16* p, float a, float b) {
 
 // ---------------------------------------------------------------- tile loads
 
-// How a CTA of Threads splits a Rows x D tile into pieces of 8 elements (kVpr per row): piece
+// How Threads threads split a Rows x D tile into pieces of 8 elements (kVpr per row): piece
 // idx = tid + j * Threads is row idx / kVpr, columns 8 (idx % kVpr).., so thread tid has the fixed
-// column col() and rows row0() + j * kRowStep, j < kPer. Every tile helper below (and the loops
-// that read such a tile back by thread) uses this mapping; with the fixed column, a piece's
-// address is one multiply-add on its row (no division per piece).
+// column col() and rows row0() + j * kRowStep, j < kPer. tid = threadIdx.x % Threads: the whole
+// CTA, or a warpgroup of it (e.g. a producer warpgroup after the compute ones). Every tile helper
+// below (and the loops that read such a tile back by thread) uses this mapping; with the fixed
+// column, a piece's address is one multiply-add on its row (no division per piece).
 template <int Rows, int D, int Threads>
 struct TilePieces {
   static constexpr int kVpr = D / 8, kRowStep = Threads / kVpr, kPer = Rows / kRowStep;
   static_assert(D % 8 == 0 && Threads % kVpr == 0 && Rows % kRowStep == 0,
                 "tile does not split evenly");
-  __device__ __forceinline__ static int row0() { return static_cast<int>(threadIdx.x) / kVpr; }
-  __device__ __forceinline__ static int col() { return static_cast<int>(threadIdx.x) % kVpr * 8; }
+  __device__ __forceinline__ static int tid() { return static_cast<int>(threadIdx.x % Threads); }
+  __device__ __forceinline__ static int row0() { return tid() / kVpr; }
+  __device__ __forceinline__ static int col() { return tid() % kVpr * 8; }
 };
 
 // A Rows x D tile of bf16 (or f32) into shared memory as it is (pitch ld) by 16-byte cp.async
@@ -270,15 +272,16 @@ struct RowVector {
   int64_t stride, col;
 };
 
-// cp.async of a chunk's row vectors into shared memory (rows >= len zero); vector n is issued by
-// the threads of 64-thread group n % (Threads / 64), one row each.
+// cp.async of a chunk's row vectors into shared memory (rows >= len zero) by Threads threads
+// (tid = threadIdx.x % Threads); vector n is issued by the threads of 64-thread group
+// n % (Threads / 64), one row each.
 template <int Threads, int N>
 __device__ __forceinline__ void cp_async_row_vectors(const RowVector (&v)[N], int64_t start,
                                                      int len) {
   static_assert(Threads % kChunk == 0, "whole 64-thread groups");
 #pragma unroll
   for (int n = 0; n < N; ++n) {
-    const int t = static_cast<int>(threadIdx.x) - (n % (Threads / kChunk)) * kChunk;
+    const int t = static_cast<int>(threadIdx.x % Threads) - (n % (Threads / kChunk)) * kChunk;
     if (t >= 0 && t < kChunk && v[n].src != nullptr) {
       const bool ok = t < len;
       cp_async4(v[n].dst + t, ok ? v[n].src + (start + t) * v[n].stride + v[n].col : v[n].src,

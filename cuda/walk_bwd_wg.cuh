@@ -14,7 +14,9 @@
 //        128), gated (wg_gate_scores, wg_acc.cuh) into the Att slab; with saved scores (the
 //        output kernel's) copied instead
 //   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);  -dvn = -(e^{G_C - G} acc + dvl) -> Dvn slab
-//   dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn     (A MN-major from the [token][key] slabs)
+//   dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn     (A MN-major from the [token][key] slabs; the
+//        Qs^T dOg half is issued with acc and runs while acc, Att, dvl and Dvn are made; with
+//        saved scores dvl is issued in that batch too)
 // Every operand and every accumulator's k16 steps are the former mma.sync kernel's, in the same
 // order from the same start, so dS_end and dh0 are expected bit for bit equal to it. Unused
 // chunks (after every segment's chunks) get dS_end = 0, as the xla reverse scan gives. dS_end is
@@ -213,6 +215,11 @@ __global__ void __launch_bounds__(2 * VT, 1)
       for (int i = 0; i < kAttCols / 2; ++i) att[i] = 0.f;
       wgmma_fence_operand(att);
     }
+    float dvl[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dvl[i] = 0.f;
+    wgmma_fence_operand(dvl);
+    wg_scale_state<K>(S, eGC);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) {
@@ -224,7 +231,27 @@ __global__ void __launch_bounds__(2 * VT, 1)
                                           sw128_desc(Sb + 2048 * ks, K * 128), true);
     }
     wgmma_commit();
-    wgmma_wait<0>();
+    // The state update's first half, dS = e^{G_C} dS + Qs^T dOg, needs nothing computed in this
+    // chunk: it runs while acc, Att and dvl are made (Sb already holds bf16(dS); dS was scaled
+    // before the batch); Ws^T Dvn goes after. Each accumulator sees dOg's k-steps, then Dvn's,
+    // as before.
+    wg_issue_state_update<K>(S, Qs, DOg);
+    wgmma_commit();
+    // dvl = Att^T dOs (A: Att stored [i][j], MN-major); with saved scores Att is already here
+    auto issue_dvl = [&] {
+      wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+        wgmma_m64k16_ss<64, true, true, 1>(dvl, sw128_desc(AttS + 2048 * ks, Sm::kSlab),
+                                           sw128_desc(DOs + 2048 * ks, Sm::kSlab), true);
+      wgmma_commit();
+    };
+    if constexpr (kScores) {
+      issue_dvl();
+      wgmma_wait<2>();  // acc (and att) done; dS's first half and dvl may still run
+    } else {
+      wgmma_wait<1>();
+    }
     wgmma_fence_operand(acc);
     if constexpr (!kScores) {
       wgmma_fence_operand(att);
@@ -233,19 +260,8 @@ __global__ void __launch_bounds__(2 * VT, 1)
       wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg);
       fence_proxy_async();
       __syncthreads();  // Att complete
+      issue_dvl();
     }
-
-    // dvl = Att^T dOs (A: Att stored [i][j], MN-major)
-    float dvl[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) dvl[i] = 0.f;
-    wgmma_fence_operand(dvl);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks)
-      wgmma_m64k16_ss<64, true, true, 1>(dvl, sw128_desc(AttS + 2048 * ks, Sm::kSlab),
-                                         sw128_desc(DOs + 2048 * ks, Sm::kSlab), true);
-    wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(dvl);
     // -dvn = -(e^{G_C - G} acc + dvl) as bf16 into Dvn (rows: tokens)
@@ -264,10 +280,10 @@ __global__ void __launch_bounds__(2 * VT, 1)
     fence_proxy_async();
     __syncthreads();  // Dvn, Ws complete
 
-    // dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn (each accumulator: dOg's 4 steps, then Dvn's)
-    wg_scale_state<K>(S, eGC);
+    // dS += Ws^T Dvn (the second half of the state update)
+#pragma unroll
+    for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
     wgmma_fence();
-    wg_issue_state_update<K>(S, Qs, DOg);
     wg_issue_state_update<K>(S, Ws, Dvn);
     wgmma_commit();
     wgmma_wait<0>();

@@ -19,8 +19,12 @@
 // The state update is state_walk_wg.cuh's (the same operands and k16 order: the final state is
 // expected bit for bit equal to it); o rounds other operands than the output kernel (which takes
 // bf16(q rq), bf16(k r)), so o agrees with state_walk + output to bf16 rounding.
-// Every input of chunk c + 1 (q, k, w, u, rows) is double-buffered and issued at the top of
-// chunk c, so it has a whole chunk step to land.
+// Every input of chunk c + 1 (q, k, w, u, rows) is double-buffered and copied by a producer
+// warpgroup (after the V / 64 compute warpgroups) while the compute warps work on chunk c: it
+// issues the cp.async pieces, waits for them and fences them before it arrives at the barrier
+// that opens chunk c + 1, so the compute warps issue no copies. Registers at V = 128: the CTA
+// launches at 168 a thread (three warpgroups); the producer drops to 56, the compute warpgroups
+// rise to 224 (setmaxnreg).
 // Shared memory (K = V = 128): q, k, w slabs 2 x 16 KB each, Sb 2 x 16 KB, Vn and Vd 2 x 8 KB
 // each, Att 8 KB, u 2 x 16 KB, rows 2 x 768 B, + 1 KB alignment: 203 KB, 1 CTA of 8 warps per SM.
 #pragma once
@@ -52,7 +56,7 @@ struct WalkOutWgSmem {
 
 template <int V>
 constexpr int walk_output_wg_threads() {
-  return 2 * V;  // V / 64 warpgroups of 128
+  return 2 * V + 128;  // V / 64 compute warpgroups of 128, then the producer warpgroup
 }
 
 template <typename In, typename Out, int K, int V>
@@ -71,7 +75,14 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(V == 64 || V == 128, "V = 64 or 128");
   using Sm = WalkOutWgSmem<In, K, V>;
-  constexpr int kThreads = walk_output_wg_threads<V>();
+  constexpr int kCompute = 2 * V;  // compute threads; the producer warpgroup follows them
+  constexpr int kLoaders = 128;
+  // V = 128: three warpgroups launch at 168 registers a thread (64512 in all); the producer
+  // gives back to 56, the compute warpgroups take 224 (2 x 224 + 56 = 504 per thread triple).
+  // V = 64: two warpgroups, no reallocation.
+  constexpr bool kRealloc = Sm::kWarpgroups == 2;
+  constexpr int kComputeRegs = 224, kProducerRegs = 56;
+  static_assert(walk_output_wg_threads<V>() == kCompute + kLoaders, "one producer warpgroup");
   constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
@@ -81,6 +92,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   const int hk = hv / (HV / H);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in it
+  const bool producer = threadIdx.x >= kCompute;
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
   unsigned char* Vn = smem + Sm::oVn + wg * Sm::kSlab;
   unsigned char* Vd = smem + Sm::oVd + wg * Sm::kSlab;
@@ -89,64 +101,73 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
   float S[K / 64][32];
   const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg;
   float* fin = final_state + state0;
-  wg_state_rw<K>(S, const_cast<float*>(h0) + state0, V, false, wq);
-
   const int c_first = seg_first[s], c_last = seg_last[s];
   const bool empty = seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
-  if (empty) {
-    wg_state_rw<K>(S, fin, V, true, wq);
-    return;
-  }
 
   auto q_slabs = [&](int b) { return smem + Sm::oQ + b * Sm::kTok; };
   auto k_slabs = [&](int b) { return smem + Sm::oK + b * Sm::kTok; };
   auto w_slabs = [&](int b) { return smem + Sm::oWs + b * Sm::kTok; };
   auto u_slabs = [&](int b) { return smem + Sm::oUs + b * Sm::kWarpgroups * Sm::kSlab; };
   auto rows = [&](int b) { return reinterpret_cast<float*>(smem + Sm::oRows + b * Sm::kRows); };
+  // the producer warpgroup's copies (kLoaders threads)
   auto prefetch_qk = [&](int c, int b) {  // q, k into their slabs; G, rstd, rstd_q into rows
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     const int64_t off = (cs.start * H + hk) * K;
     if constexpr (std::is_same_v<In, bf16>) {
-      cp_async_tile_at<kChunk, K, kThreads, false>(slab_at<kChunk>(q_slabs(b)), qin + off,
+      cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(q_slabs(b)), qin + off,
                                                    int64_t{H} * K, cs.len);
-      cp_async_tile_at<kChunk, K, kThreads, false>(slab_at<kChunk>(k_slabs(b)), k + off,
+      cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(k_slabs(b)), k + off,
                                                    int64_t{H} * K, cs.len);
     } else {  // f32: rounded to bf16 on the way (plain loads)
-      load_tile_bf16_at<kChunk, K, 4, kThreads>(slab_at<kChunk>(q_slabs(b)), qin + off,
+      load_tile_bf16_at<kChunk, K, 4, kLoaders>(slab_at<kChunk>(q_slabs(b)), qin + off,
                                                 int64_t{H} * K, max(cs.len, 1), ScaleOne{});
-      load_tile_bf16_at<kChunk, K, 4, kThreads>(slab_at<kChunk>(k_slabs(b)), k + off,
+      load_tile_bf16_at<kChunk, K, 4, kLoaders>(slab_at<kChunk>(k_slabs(b)), k + off,
                                                 int64_t{H} * K, max(cs.len, 1), ScaleOne{});
     }
     float* r = rows(b);
     const RowVector vecs[3] = {
         {r, G, HV, hv}, {r + kChunk, rstd, H, hk}, {r + 2 * kChunk, rstd_q, H, hk}};
-    cp_async_row_vectors<kThreads>(vecs, cs.start, cs.len);
+    cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
   };
   auto prefetch_wu = [&](int c, int b) {  // w and u straight into their slabs
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    cp_async_tile_at<kChunk, K, kThreads, false>(
+    cp_async_tile_at<kChunk, K, kLoaders, false>(
         slab_at<kChunk>(w_slabs(b)), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
-    cp_async_tile_at<kChunk, V, kThreads, false>(
+    cp_async_tile_at<kChunk, V, kLoaders, false>(
         slab_at<kChunk>(u_slabs(b)), u + (cs.start * HV + hv) * V, int64_t{HV} * V, cs.len);
   };
 
-  // One commit group per chunk: at the top of chunk c, everything of c + 1 into the other
-  // buffers (the top of c + 1 waits for it).
-  prefetch_qk(c_first, 0);
-  prefetch_wu(c_first, 0);
-  cp_async_commit();
+  // The two roles never merge again after this branch (ptxas applies each register limit to its
+  // own path only).
+  if (producer) {  // chunk c + 1 into buffer b ^ 1 while the compute warps work on chunk c
+    if constexpr (kRealloc) warpgroup_reg_dealloc<kProducerRegs>();
+    if (empty) return;
+    auto copy_chunk = [&](int c, int b) {
+      prefetch_qk(c, b);
+      prefetch_wu(c, b);
+      cp_async_commit();
+      cp_async_wait_all();
+      fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
+    };
+    copy_chunk(c_first, 0);
+    for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
+      __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c - 1
+      if (c < c_last) copy_chunk(c + 1, b ^ 1);
+    }
+    return;  // barrier 0 is not used after the last chunk opens
+  }
+  if constexpr (kRealloc) warpgroup_reg_alloc<kComputeRegs>();
+  wg_state_rw<K>(S, const_cast<float*>(h0) + state0, V, false, wq);
+  if (empty) {
+    wg_state_rw<K>(S, fin, V, true, wq);
+    return;
+  }
+
   const int i0 = 16 * wq + g, i1 = i0 + 8;  // this thread's accumulator rows
   for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
     const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
     const int len = cs.len, last = max(len - 1, 0);
-    cp_async_wait_all();
-    fence_proxy_async();
     __syncthreads();  // chunk c's slabs, rows, w and u have landed; chunk c - 1 is done
-    if (c < c_last) {
-      prefetch_qk(c + 1, b ^ 1);
-      prefetch_wu(c + 1, b ^ 1);
-    }
-    cp_async_commit();
 
     const unsigned char* Qs = q_slabs(b);
     const unsigned char* Ks = k_slabs(b);
@@ -199,7 +220,7 @@ __global__ void __launch_bounds__(walk_output_wg_threads<V>(), 1)
     wg_gate_scores<kAttCols>(att, rG, wq, kAttCols * wg, last, rR);
     wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg);
     fence_proxy_async();
-    __syncthreads();  // Att, Vn, Vd complete
+    compute_sync<kCompute>();  // Att, Vn, Vd complete
 
     // o = e^G (Q S) + Att Vn;  S = e^{G_C} S + K^T Vd
     const float eg0 = __expf(rG[min(i0, last)]), eg1 = __expf(rG[min(i1, last)]);

@@ -78,6 +78,25 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
 }
 
+// Barrier of the first Threads threads of the CTA: the compute warpgroups of a kernel with a
+// producer warpgroup after them (named barrier 3; 1 and 2 are warpgroup_sync's).
+template <int Threads>
+__device__ __forceinline__ void compute_sync() {
+  asm volatile("bar.sync 3, %0;\n" ::"n"(Threads) : "memory");
+}
+
+// Hopper's per-warpgroup register reallocation (every warp of the warpgroup executes it): a
+// producer warpgroup gives registers back, compute warpgroups take them, so a CTA of three
+// warpgroups (launched at 168 registers a thread) runs its compute warps at up to N.
+template <int N>
+__device__ __forceinline__ void warpgroup_reg_alloc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void warpgroup_reg_dealloc() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
