@@ -142,8 +142,8 @@ def check_gate_options(g, beta, *, use_gate_in_kernel: bool, A_log, dt_bias,
 def bounds_ok(cu_seqlens, T, multiple: int = 1):
     """None for concrete cu_seqlens (check_cu_seqlens has checked them); for traced ones, a bool
     scalar: they keep the rules checked there (start 0, non-decreasing, last == T, lengths
-    multiples of `multiple`). gdn poisons its output with NaN where this is False (never silently
-    wrong)."""
+    multiples of `multiple`). gdn poisons its output and its gradients with NaN where this is
+    False (never silently wrong; gdn.bounds_guard)."""
     if concrete(cu_seqlens) is not None:
         return None
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)

@@ -87,29 +87,49 @@ _gdn_packed.defvjp(_forward, _backward)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def nan_unless(prims: Primitives, x, ok):
-    """x, or NaN everywhere when the bool scalar ok is False, and the cotangent likewise (bad
-    traced bounds put NaN into the gradients, not zeros). The forward is the primitive (cuda: in
-    place, one launch instead of a pass over o when o leaves the jit); the backward is a `where`,
-    which XLA fuses into the op that makes the cotangent (the in-place kernel would need a copy
-    of a cotangent it cannot alias)."""
+    """x, or NaN everywhere when the bool scalar ok is False (cuda: in place, one launch instead
+    of a pass over x). The cotangent passes through: `nan_grads_unless` on the inputs poisons
+    the gradients instead, where the cuda kernel works in place on our own kernels' outputs (on
+    a dO that XLA cannot alias it would cost a copy, on the xla set a pass over dO)."""
     return prims.nan_unless(x, ok)
 
 
 def _nan_unless_fwd(prims, x, ok):
-    return prims.nan_unless(x, ok), ok
+    return prims.nan_unless(x, ok), None
 
 
-def _nan_unless_bwd(prims, ok, dx):
-    return primitives.XLA.nan_unless(dx, ok), None
+def _nan_unless_bwd(prims, _, dx):
+    return dx, None
 
 
 nan_unless.defvjp(_nan_unless_fwd, _nan_unless_bwd)
 
 
-def poison_if_bad_bounds(prims: Primitives, o, cu_seqlens, T, multiple: int = 1):
-    """o, or NaN everywhere when traced cu_seqlens break the rules (checks.bounds_ok)."""
-    ok = bounds_ok(cu_seqlens, T, multiple)
-    return o if ok is None else nan_unless(prims, o, ok)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def nan_grads_unless(prims: Primitives, xs, ok):
+    """xs as they are; their cotangents NaN everywhere when the bool scalar ok is False."""
+    return xs
+
+
+def _nan_grads_unless_fwd(prims, xs, ok):
+    return xs, ok
+
+
+def _nan_grads_unless_bwd(prims, ok, dxs):
+    return jax.tree.map(lambda d: prims.nan_unless(d, ok), dxs), None
+
+
+nan_grads_unless.defvjp(_nan_grads_unless_fwd, _nan_grads_unless_bwd)
+
+
+def bounds_guard(prims: Primitives, cu_seqlens, T, multiple: int = 1):
+    """(guard_inputs, guard_output) for traced cu_seqlens that may break the rules
+    (checks.bounds_ok): the output becomes NaN everywhere and so do the inputs' gradients. Both
+    are the identity when the bounds are concrete (checked on the host)."""
+    ok = None if cu_seqlens is None else bounds_ok(cu_seqlens, T, multiple)
+    if ok is None:
+        return (lambda xs: xs), (lambda o: o)
+    return (lambda xs: nan_grads_unless(prims, xs, ok)), (lambda o: nan_unless(prims, o, ok))
 
 
 def _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state, save_mode, backend):
@@ -195,10 +215,11 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
                             dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                             allow_neg_eigval=allow_neg_eigval)
     args = (q, k, v, g, beta) + args[5:]
-    o, final = _gdn_packed(cfg, *_packed_args(d, *args))
-    o = o.reshape(d.B, d.T, d.HV, d.V)
-    if cu_seqlens is not None:
-        o = poison_if_bad_bounds(cfg.prims, o, cu_seqlens, d.T)
+    guard_inputs, guard_output = bounds_guard(cfg.prims, cu_seqlens, d.T)
+    packed = _packed_args(d, *args)
+    packed = guard_inputs(packed[:6]) + packed[6:]  # q, k, v, g, beta, h0; then the chunk table
+    o, final = _gdn_packed(cfg, *packed)
+    o = guard_output(o.reshape(d.B, d.T, d.HV, d.V))
     return (o, final) if output_final_state else o
 
 

@@ -166,16 +166,26 @@ def test_lowered_step_has_the_exchange_collective(rng, exchange, collective):
         assert calls and not [ln for ln in calls if re.search(r"tensor<(\d+x)*0x", ln)]
 
 
-def _call_kcp(W, **kw):
+def _call_kcp(W, grad=False, **kw):
+    """gdn_kcp's o on W CPU devices (with grad: each rank's gradients of the sum of its o in q,
+    k, v, g, beta)."""
     m = mesh(W)
     T = 64 * W
     args = make_inputs(np.random.default_rng(0), T=T, H=1, HV=1, K=8, V=8)[:5]
     cu = kw.pop("cu", np.array([0, T], np.int32))
     tok = NamedSharding(m, P(None, AX))
     traced = kw.pop("traced", False)
-    f = jax.shard_map(lambda *a: J.gdn_kcp(*a[:5], cu_seqlens=a[5] if traced else cu,
-                                           axis_name=AX, backend="xla", **kw),
-                      mesh=m, in_specs=(P(None, AX),) * 5 + (P(),), out_specs=P(None, AX))
+
+    def local(*a):
+        o = lambda *x: J.gdn_kcp(*x, cu_seqlens=a[5] if traced else cu, axis_name=AX,
+                                 backend="xla", **kw)
+        if not grad:
+            return o(*a[:5])
+        return jax.grad(lambda *x: jnp.sum(o(*x).astype(jnp.float32)),
+                        argnums=tuple(range(5)))(*a[:5])
+
+    f = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX),) * 5 + (P(),),
+                              out_specs=(P(None, AX),) * 5 if grad else P(None, AX)))
     return f(*[jax.device_put(x, tok) for x in args], jax.device_put(jnp.asarray(cu),
                                                                      NamedSharding(m, P())))
 
@@ -198,6 +208,13 @@ def test_traced_bad_doc_zigzag_bounds_give_nan():
     assert np.all(np.isnan(np.asarray(o)))
     o = _call_kcp(4, layout="doc_zigzag", cu=np.array([0, 96, 256], np.int32), traced=True)
     assert np.all(np.isfinite(np.asarray(o)))
+    # and the gradients: NaN everywhere for bad bounds, finite for good ones
+    for cu, bad in (([0, 100, 256], True), ([0, 96, 256], False)):
+        grads = _call_kcp(4, grad=True, layout="doc_zigzag", cu=np.array(cu, np.int32),
+                          traced=True)
+        for d in grads:
+            d = np.asarray(d, np.float32)
+            assert np.all(np.isnan(d)) if bad else np.all(np.isfinite(d)), (cu, d.shape)
 
 
 def test_layout_token_count_not_divisible():

@@ -25,7 +25,7 @@ from .. import primitives, vma
 from ..checks import check_cu_seqlens, check_gdn_inputs
 from ..chunks import chunk_table
 from ..gates import apply_options
-from ..gdn import _Config, _gdn_packed, poison_if_bad_bounds
+from ..gdn import _Config, _gdn_packed, bounds_guard
 from . import exchange as ex
 from .layout import Pieces, chains_and_m, check_layout, local_global_positions, rank_pieces
 from .plan import plan_kcp
@@ -147,6 +147,9 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     ct = chunk_table(tab.seg_bounds, T_l)
     S = ct.num_segments
     q, k, v, g, beta = (x.reshape((T_l,) + x.shape[2:]) for x in (q, k, v, g, beta))
+    guard_inputs, guard_output = bounds_guard(cfg.prims, cu_seqlens, T_g,
+                                              2 * W if layout == "doc_zigzag" else 1)
+    q, k, v, g, beta = guard_inputs((q, k, v, g, beta))
     HV, K, V = d.HV, d.K, d.V
 
     def carries(q, k, v, g, beta):
@@ -187,6 +190,4 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     h0 = jnp.where(_bcast(tab.takes_carry, carry_u[tab.seg_unit]), carry_u[tab.seg_unit], 0.0)
     h0 = vma.cast(h0, vma.of(v))
     o, _ = _gdn_packed(cfg, q, k, v, g, beta, h0, ct)
-    o = poison_if_bad_bounds(cfg.prims, o, cu_seqlens, T_g,
-                             2 * W if layout == "doc_zigzag" else 1)
-    return o.reshape(1, T_l, HV, V)
+    return guard_output(o).reshape(1, T_l, HV, V)
