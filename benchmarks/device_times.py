@@ -4,8 +4,8 @@
                                       [--backend cuda] [--out DIR]
 
 For each (op, save mode) a child process runs the jitted op of `benchmarks.arms.build_jax_op` once
-under `ncu --metrics gpu__time_duration.sum` (inputs are rounded on the host and copied, so the
-op's own launches are the only kernels), and this process prints each launch in order with its
+under `ncu --metrics gpu__time_duration.sum` (inputs are rounded on the host and copied, and
+XLA's autotuner is off, so the op's own launches are the only kernels), and this process prints each launch in order with its
 device time, the kernel totals and their sum. Unlike `benchmarks.kernels` (wall clock per call,
 one dispatch each) this shows XLA's own fusions between the primitives and sums to the op's GPU
 time without launch gaps; unlike a timed run it serialises the launches (ncu), so use it to see
@@ -111,7 +111,9 @@ def _run_one(ncu: str, workload: str, op: str, mode: str, backend: str) -> List[
     cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
            sys.executable, "-m", "benchmarks.device_times", _CHILD, "--workload", workload,
            "--ops", op, "--modes", mode, "--backend", backend]
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    # no autotuning: its timing kernels (DelayKernel, RedzoneAllocator, ...) would join the list
+    flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=flags)
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
         raise RuntimeError(f"ncu run failed ({res.returncode}):\n{res.stdout[-2000:]}\n"
