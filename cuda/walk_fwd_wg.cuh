@@ -33,7 +33,7 @@
 // chunk parity and copied by the producer warpgroup (after the compute warpgroups) while the
 // compute warps work on chunk c: it issues the cp.async pieces, waits for them and fences them
 // before it arrives at the barrier that opens chunk c + 1, so the compute warps issue no copies.
-// Registers (setmaxnreg, walk_fwd_wg_regs): the producer drops to 56, the compute warpgroups take
+// Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56, the compute warpgroups take
 // the rest (V = 128: 168 a thread at launch, compute 224; tapes at V = 64: 2 CTAs per SM, 128 at
 // launch, compute 200; kOut at V = 64: 1 CTA per SM, no reallocation).
 // Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Sb 2 x 16 KB, Vd 2 x 8 KB,
@@ -106,13 +106,15 @@ constexpr int walk_fwd_wg_ctas() {
 // setmaxnreg targets (a multiple of 8 each): the producer's 56 and the compute warpgroups' share
 // of the rest of the launch allocation; none when the launch allows 255 already.
 template <bool kOut, int V>
-struct walk_fwd_wg_regs {
+struct WalkFwdWgRegs {
   static constexpr int kThreads = walk_fwd_wg_threads<V>(), kWarpgroups = V / 64;
   static constexpr int kLaunch = 65536 / (kThreads * walk_fwd_wg_ctas<kOut, V>()) / 8 * 8;
   static constexpr bool kRealloc = kLaunch < 255;
-  static constexpr int kProducer = 56;
-  static constexpr int kCompute = ((kWarpgroups + 1) * kLaunch - kProducer) / kWarpgroups / 8 * 8;
-  static_assert(!kRealloc || (kCompute >= kLaunch && kCompute <= 256), "bad register split");
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kComputeRegs =
+      ((kWarpgroups + 1) * kLaunch - kProducerRegs) / kWarpgroups / 8 * 8;
+  static_assert(!kRealloc || (kComputeRegs >= kLaunch && kComputeRegs <= 256),
+                "bad register split");
 };
 
 template <bool kOut, typename In, typename Out, int K, int V>
@@ -121,7 +123,9 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(V == 64 || V == 128, "V = 64 or 128");
   using Sm = WalkFwdWgSmem<kOut, K, V>;
-  using Regs = walk_fwd_wg_regs<kOut, V>;
+  using Regs = WalkFwdWgRegs<kOut, V>;
+  static_assert(walk_fwd_wg_ctas<kOut, V>() * (Sm::bytes + 1024) <= 228 * 1024,
+                "walk_fwd_wg: the CTAs per SM do not fit in shared memory");
   constexpr int kCompute = 2 * V;  // compute threads; the producer warpgroup follows them
   constexpr int kLoaders = 128;
   static_assert(walk_fwd_wg_threads<V>() == kCompute + kLoaders, "one producer warpgroup");
@@ -148,7 +152,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   // The two roles never merge again after this branch (ptxas applies each register limit to its
   // own path only).
   if (producer) {  // chunk c + 1 into buffer b ^ 1 while the compute warps work on chunk c
-    if constexpr (Regs::kRealloc) warpgroup_reg_dealloc<Regs::kProducer>();
+    if constexpr (Regs::kRealloc) warpgroup_reg_dealloc<Regs::kProducerRegs>();
     if (empty) return;
     auto copy_qk = [&](const In* src, unsigned char* slabs, int64_t start, int len) {
       const In* p = src + (start * H + hk) * K;
@@ -190,7 +194,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     }
     return;  // barrier 0 is not used after the last chunk opens
   }
-  if constexpr (Regs::kRealloc) warpgroup_reg_alloc<Regs::kCompute>();
+  if constexpr (Regs::kRealloc) warpgroup_reg_alloc<Regs::kComputeRegs>();
 
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
   unsigned char* Vd = smem + Sm::oVd + wg * Sm::kSlab;
