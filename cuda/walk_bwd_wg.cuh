@@ -23,7 +23,7 @@
 // bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
 #pragma once
 
-#include "state_walk_wg.cuh"
+#include "wg_acc.cuh"
 
 namespace jax_cake_gdn {
 
