@@ -9,11 +9,12 @@
 // accumulators, its slabs Sb = bf16(dS), dOs, dOg, Dvn); Q, K, w and Att slabs are shared.
 // The producer fills chunk c - 1's inputs into the other of two buffers while the compute warps
 // work on chunk c: w (and the saved scores) by cp.async straight into their slabs; G, rstd_q,
-// rstd_k by cp.async into its own rows; q, k, dO by plain loads (8 in flight a thread), converted
-// on the way into Qs = q rstd_q, Ks = k rstd_k, dOs = scale dO, dOg = scale e^G dO (the values
-// the former staging pass made) and sG (G, padding rows G_C). It waits for its copies, fences
-// them (fence.proxy.async) and arrives at the barrier that opens the chunk; the compute warps
-// issue no copies. Per chunk, the compute warps:
+// rstd_k by cp.async into its own rows; bf16 q, k, dO by cp.async raw into their slabs, then
+// scaled there by the thread that copied each piece (f32: plain loads, 8 in flight a thread,
+// converted on the way): Qs = q rstd_q, Ks = k rstd_k, dOs = scale dO, dOg = scale e^G dO (the
+// values the former staging pass made) and sG (G, padding rows G_C). It waits for its copies,
+// fences them (fence.proxy.async) and arrives at the barrier that opens the chunk; the compute
+// warps issue no copies. Per chunk, the compute warps:
 //   top: Sb = bf16(dS) (and dS_end[c] from it)
 //   Att (kScores = false): Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT =
 //        128), gated (wg_gate_scores, wg_acc.cuh) into the Att slab; with saved scores (the
@@ -29,7 +30,7 @@
 // alignment: 218.25 KB (226.25 KB with saved scores), 1 CTA per SM. No staging: the size no
 // longer depends on In.
 // Registers at VT = 128: the CTA (384 threads) launches at 168 a thread; the producer drops to
-// 88, the compute warpgroups rise to 208 (setmaxnreg; 2 x 208 + 88 = 504). VT = 64: 256 threads,
+// 56, the compute warpgroups rise to 224 (setmaxnreg; 2 x 224 + 56 = 504). VT = 64: 256 threads,
 // no reallocation.
 // Every operand and every accumulator's k16 steps are the former mma.sync kernel's, in the same
 // order from the same start, so dS_end and dh0 are expected bit for bit equal to it. Unused
@@ -76,45 +77,46 @@ constexpr int walk_bwd_wg_threads() {
   return 2 * VT + 128;  // VT / 64 compute warpgroups of 128, then the producer warpgroup
 }
 
-// The producer's pieces of a 64 x D chunk tile of In (TilePieces over its 128 threads), NB
-// 16-byte loads in flight per batch, kept raw until stored (fewer live registers); rows >= len
-// are zero. put(t, c, f) stores piece (t, columns c..c+7) from its values f[8].
-template <int D, int NB, typename In, typename Put>
-__device__ __forceinline__ void walk_bwd_convert(const In* src, int64_t row_stride, int len,
-                                                 Put put) {
+// The producer's pieces of a 64 x D chunk tile of In (TilePieces over its 128 threads); put(t, c,
+// f, r) stores piece (t, columns c..c+7) from its values f[8] and r = row(t). bf16: the tile has
+// landed raw in the slabs at `landed` by this thread's own cp.async (rows >= len zero). f32: it
+// is loaded here, NB 16-byte loads in flight per batch, kept raw until stored (fewer live
+// registers), rows >= len zero.
+template <int D, int NB, typename In, typename Row, typename Put>
+__device__ __forceinline__ void walk_bwd_convert(unsigned char* landed, const In* src,
+                                                 int64_t row_stride, int len, Row row, Put put) {
   using P = TilePieces<kChunk, D, 128>;
-  constexpr int kW = sizeof(In) / 2;  // 16-byte words per piece of 8
-  constexpr int kNB = NB / kW < P::kPer ? NB / kW : P::kPer;  // pieces per batch
-  static_assert(kNB >= 1 && P::kPer % kNB == 0, "tile does not split evenly");
   const int t0 = P::row0(), c = P::col();
-#pragma unroll 1
-  for (int b0 = 0; b0 < P::kPer; b0 += kNB) {
-    uint4 r[kNB][kW];
-#pragma unroll
-    for (int j = 0; j < kNB; ++j) {
-      const int t = t0 + (b0 + j) * P::kRowStep;
-      const uint4* p = reinterpret_cast<const uint4*>(src + t * row_stride + c);
-#pragma unroll
-      for (int e = 0; e < kW; ++e) r[j][e] = t < len ? __ldg(p + e) : make_uint4(0u, 0u, 0u, 0u);
-    }
-#pragma unroll
-    for (int j = 0; j < kNB; ++j) {
+  if constexpr (sizeof(In) == 2) {
+#pragma unroll 4
+    for (int j = 0; j < P::kPer; ++j) {
+      const int t = t0 + j * P::kRowStep;
       float f[8];
+      lds8(slab_at<kChunk>(landed)(t, c), f);
+      put(t, c, f, row(t));
+    }
+  } else {
+    constexpr int kNB = NB / 2 < P::kPer ? NB / 2 : P::kPer;  // pieces (2 loads each) per batch
+    static_assert(kNB >= 1 && P::kPer % kNB == 0, "tile does not split evenly");
+#pragma unroll 1
+    for (int b0 = 0; b0 < P::kPer; b0 += kNB) {
+      float4 r[kNB][2];
+      float rv[kNB];
 #pragma unroll
-      for (int e = 0; e < kW; ++e) {
-        const uint32_t u[4] = {r[j][e].x, r[j][e].y, r[j][e].z, r[j][e].w};
+      for (int j = 0; j < kNB; ++j) {
+        const int t = t0 + (b0 + j) * P::kRowStep;
+        rv[j] = row(t);
+        const float4* p = reinterpret_cast<const float4*>(src + t * row_stride + c);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if constexpr (kW == 1) {
-            const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u[i]));
-            f[2 * i] = x.x;
-            f[2 * i + 1] = x.y;
-          } else {
-            f[4 * e + i] = __uint_as_float(u[i]);
-          }
-        }
+        for (int e = 0; e < 2; ++e)
+          r[j][e] = t < len ? __ldg(p + e) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-      put(t0 + (b0 + j) * P::kRowStep, c, f);
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) {
+        const float f[8] = {r[j][0].x, r[j][0].y, r[j][0].z, r[j][0].w,
+                            r[j][1].x, r[j][1].y, r[j][1].z, r[j][1].w};
+        put(t0 + (b0 + j) * P::kRowStep, c, f, rv[j]);
+      }
     }
   }
 }
@@ -139,11 +141,11 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
   constexpr int kCompute = 2 * VT;  // compute threads; the producer warpgroup follows them
   constexpr int kLoaders = 128;
   static_assert(walk_bwd_wg_threads<VT>() == kCompute + kLoaders, "one producer warpgroup");
-  // VT = 128: three warpgroups launch at 168 registers a thread; the producer gives back to 88
-  // (its 8 loads in flight), the compute warpgroups take 208 (2 x 208 + 88 = 504 per thread
-  // triple; 224 / 56 spills the producer). VT = 64: two warpgroups, no reallocation.
+  // VT = 128: three warpgroups launch at 168 registers a thread; the producer gives back to 56,
+  // the compute warpgroups take 224 (2 x 224 + 56 = 504 per thread triple). VT = 64: two
+  // warpgroups (up to 255 a thread), no reallocation.
   constexpr bool kRealloc = Sm::kWarpgroups == 2;
-  constexpr int kComputeRegs = 208, kProducerRegs = 88;
+  constexpr int kComputeRegs = 224, kProducerRegs = 56;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
   auto buf = [&](int b) { return smem + b * Sm::kBuf; };
@@ -186,8 +188,23 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     auto copy_chunk = [&](int c, int b) {
       const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
       const int len = cs.len;
+      unsigned char* Qs = buf(b) + Sm::bQs;
+      unsigned char* Ks = buf(b) + Sm::bKs;
+      unsigned char* DOs = buf(b) + Sm::bDOs;
+      unsigned char* DOg = buf(b) + Sm::bDOg;
+      const int64_t qk_off = (cs.start * H + hk) * K;
+      const int64_t o_off = (cs.start * HV + hv) * V + v0;
       const RowVector rows[3] = {{stG, G, HV, hv}, {stRq, rstd_q, H, hk}, {stRk, rstd_k, H, hk}};
       cp_async_row_vectors<kLoaders>(rows, cs.start, len);
+      cp_async_commit();
+      if constexpr (sizeof(In) == 2) {  // q, k, dO raw into their slabs (scaled there below)
+        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(Qs), q + qk_off,
+                                                     int64_t{H} * K, len);
+        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(Ks), k + qk_off,
+                                                     int64_t{H} * K, len);
+        cp_async_tile_at<kChunk, VT, kLoaders, false>(slab_at<kChunk>(DOs), dout + o_off,
+                                                      int64_t{HV} * V, len);
+      }
       cp_async_commit();
       // w (and the saved scores) straight into their slabs
       cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(buf(b) + Sm::bWs),
@@ -198,35 +215,29 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
             slab_at<kChunk>(buf(b) + Sm::bAtt),
             scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
       cp_async_commit();
-      cp_async_wait<1>();  // the rows
-      producer_sync();
+      cp_async_wait<1>();  // the rows (and raw q, k, dO)
+      producer_sync();     // every thread's rows
       if (pt < kChunk) {
         const float GC = len > 0 ? stG[len - 1] : 0.f;
         sG(b)[pt] = pt < len ? stG[pt] : GC;
       }
-      // q, k x rstd; dO x scale and x scale e^G (rows >= len: f = 0 times these, as staged)
-      unsigned char* Qs = buf(b) + Sm::bQs;
-      unsigned char* Ks = buf(b) + Sm::bKs;
-      unsigned char* DOs = buf(b) + Sm::bDOs;
-      unsigned char* DOg = buf(b) + Sm::bDOg;
-      constexpr int kNB = 8;  // 16-byte loads in flight a thread
-      const int64_t qk_off = (cs.start * H + hk) * K;
-      walk_bwd_convert<K, kNB>(q + qk_off, int64_t{H} * K, len, [&](int t, int c8, auto& f) {
-        sts8_bf16(reinterpret_cast<bf16*>(Qs + slab_offset<kChunk>(t, c8)), f,
-                  rstd_q != nullptr ? stRq[t] : 1.f);
-      });
-      walk_bwd_convert<K, kNB>(k + qk_off, int64_t{H} * K, len, [&](int t, int c8, auto& f) {
-        sts8_bf16(reinterpret_cast<bf16*>(Ks + slab_offset<kChunk>(t, c8)), f,
-                  rstd_k != nullptr ? stRk[t] : 1.f);
-      });
-      walk_bwd_convert<VT, kNB>(dout + (cs.start * HV + hv) * V + v0, int64_t{HV} * V, len,
-                                [&](int t, int c8, auto& f) {
-                                  // column c8 of the tile: warpgroup c8 / 64's slabs
-                                  const uint32_t off = (c8 / 64) * Sm::kSlab +
-                                                       sw128_offset(t, c8 % 64);
-                                  sts8_bf16(reinterpret_cast<bf16*>(DOs + off), f, scale);
-                                  sts8_bf16(reinterpret_cast<bf16*>(DOg + off), f,
-                                            scale * __expf(stG[t]));
+      // q, k x rstd; dO x scale and x scale e^G (rows >= len: zeros times these, as staged)
+      constexpr int kNB = 8;  // f32: 16-byte loads in flight a thread
+      auto rq = [&](int t) { return rstd_q != nullptr ? stRq[t] : 1.f; };
+      auto rk = [&](int t) { return rstd_k != nullptr ? stRk[t] : 1.f; };
+      auto eg = [&](int t) { return __expf(stG[t]); };
+      walk_bwd_convert<K, kNB>(Qs, q + qk_off, int64_t{H} * K, len, rq,
+                               [&](int t, int c8, const float (&f)[8], float r) {
+                                 sts8_bf16(slab_at<kChunk>(Qs)(t, c8), f, r);
+                               });
+      walk_bwd_convert<K, kNB>(Ks, k + qk_off, int64_t{H} * K, len, rk,
+                               [&](int t, int c8, const float (&f)[8], float r) {
+                                 sts8_bf16(slab_at<kChunk>(Ks)(t, c8), f, r);
+                               });
+      walk_bwd_convert<VT, kNB>(DOs, dout + o_off, int64_t{HV} * V, len, eg,
+                                [&](int t, int c8, const float (&f)[8], float e) {
+                                  sts8_bf16(slab_at<kChunk>(DOs)(t, c8), f, scale);
+                                  sts8_bf16(slab_at<kChunk>(DOg)(t, c8), f, scale * e);
                                 });
       cp_async_wait_all();
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
