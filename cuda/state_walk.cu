@@ -1,5 +1,5 @@
-// FFI handlers of the state walk (kernel in state_walk_wg.cuh) and of the fused walk + output
-// (walk_output_wg.cuh), both on Hopper wgmma:
+// FFI handlers of the state walk and of the fused walk + output, one kernel template on Hopper
+// wgmma (walk_fwd_wg.cuh; kOut = false / true):
 //
 //   jax_cake_gdn_state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
 //                           seg_len) -> h bf16[NC, HV, K, V], v_new bf16[T, HV, V],
@@ -15,12 +15,11 @@
 //                                                        type chooses), final f32[S, HV, K, V]
 //
 // The light forward's walk: o = output(state_walk(...)) with h and v_new kept on chip. q, k: same
-// shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch: one CTA of V / 64
-// warpgroups per (segment, value head), grid S x HV (segment-major, in the table's segment
-// order); the state walk runs one warpgroup per (segment, value head, 64-column V tile).
+// shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch (both): one CTA of
+// V / 64 compute warpgroups and a producer warpgroup per (segment, value head), grid S x HV
+// (segment-major, in the table's segment order).
 #include "fwd_args.cuh"
-#include "state_walk_wg.cuh"
-#include "walk_output_wg.cuh"
+#include "walk_fwd_wg.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_state_walk"
 
@@ -54,7 +53,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
                                seg_len.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
-  JCG_CHECK_ARG(S * HV * (V / kWgVT) < (int64_t{1} << 31), "S * HV too large");
+  JCG_CHECK_ARG(S * HV < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
                 "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions()));
   JCG_CHECK_ARG(dims_are(h->dimensions(), {NC, HV, K, V}),
@@ -72,18 +71,31 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
     using In = typename decltype(tag)::type;
     dispatch_head_dim(K, [&](auto kdim) {
       constexpr int KD = decltype(kdim)::value;
-      const dim3 grid(static_cast<unsigned>(S * HV * (V / kWgVT)));
-      err = launch(state_walk_wg_kernel<In, KD>, grid, kWgThreads, WalkWgSmem<In, KD>::bytes,
-                   stream, static_cast<const In*>(k.untyped_data()),
-                   static_cast<const bf16*>(w.untyped_data()),
-                   static_cast<const bf16*>(u.untyped_data()), G.typed_data(), h0.typed_data(),
-                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                   chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                   seg_last.typed_data(), seg_len.typed_data(),
-                   static_cast<bf16*>(h->untyped_data()),
-                   static_cast<bf16*>(v_new->untyped_data()), final_state->typed_data(), T,
-                   static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
-                   static_cast<int>(NC));
+      dispatch_head_dim(V, [&](auto vdim) {  // one CTA covers all V columns
+        constexpr int VT = decltype(vdim)::value;
+        WalkFwdArgs<In, bf16> a{};
+        a.k = static_cast<const In*>(k.untyped_data());
+        a.w = static_cast<const bf16*>(w.untyped_data());
+        a.u = static_cast<const bf16*>(u.untyped_data());
+        a.G = G.typed_data();
+        a.h0 = h0.typed_data();
+        a.rstd = has_rstd ? rstd_k.typed_data() : nullptr;
+        a.cstart = chunk_start.typed_data();
+        a.clen = chunk_len.typed_data();
+        a.seg_first = seg_first.typed_data();
+        a.seg_last = seg_last.typed_data();
+        a.seg_len = seg_len.typed_data();
+        a.h = static_cast<bf16*>(h->untyped_data());
+        a.v_new = static_cast<bf16*>(v_new->untyped_data());
+        a.final_state = final_state->typed_data();
+        a.num_tokens = T;
+        a.H = static_cast<int>(H);
+        a.HV = static_cast<int>(HV);
+        a.NC = static_cast<int>(NC);
+        const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
+        err = launch(walk_fwd_wg_kernel<false, In, bf16, KD, VT>, grid,
+                     walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<false, KD, VT>::bytes, stream, a);
+      });
     });
   });
   JCG_CHECK_CUDA(err);
@@ -174,20 +186,30 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
         constexpr int KD = decltype(kdim)::value;
         dispatch_head_dim(V, [&](auto vdim) {  // one CTA covers all V columns
           constexpr int VT = decltype(vdim)::value;
+          WalkFwdArgs<In, Out> a{};
+          a.q = static_cast<const In*>(q.untyped_data());
+          a.k = static_cast<const In*>(k.untyped_data());
+          a.w = static_cast<const bf16*>(w.untyped_data());
+          a.u = static_cast<const bf16*>(u.untyped_data());
+          a.G = G.typed_data();
+          a.h0 = h0.typed_data();
+          a.rstd_q = has_rq ? rstd_q.typed_data() : nullptr;
+          a.rstd = has_rk ? rstd_k.typed_data() : nullptr;
+          a.cstart = chunk_start.typed_data();
+          a.clen = chunk_len.typed_data();
+          a.seg_first = seg_first.typed_data();
+          a.seg_last = seg_last.typed_data();
+          a.seg_len = seg_len.typed_data();
+          a.o = static_cast<Out*>(o->untyped_data());
+          a.final_state = final_state->typed_data();
+          a.num_tokens = T;
+          a.H = static_cast<int>(H);
+          a.HV = static_cast<int>(HV);
+          a.NC = static_cast<int>(NC);
+          a.scale = scale;
           const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
-          err = launch(walk_output_wg_kernel<In, Out, KD, VT>, grid,
-                       walk_output_wg_threads<VT>(), WalkOutWgSmem<In, KD, VT>::bytes, stream,
-                       static_cast<const In*>(q.untyped_data()),
-                       static_cast<const In*>(k.untyped_data()),
-                       static_cast<const bf16*>(w.untyped_data()),
-                       static_cast<const bf16*>(u.untyped_data()), G.typed_data(),
-                       h0.typed_data(),
-                       has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
-                       has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                       chunk_start.typed_data(), chunk_len.typed_data(), seg_first.typed_data(),
-                       seg_last.typed_data(), seg_len.typed_data(),
-                       static_cast<Out*>(o->untyped_data()), final_state->typed_data(), T,
-                       static_cast<int>(H), static_cast<int>(HV), static_cast<int>(NC), scale);
+          err = launch(walk_fwd_wg_kernel<true, In, Out, KD, VT>, grid,
+                       walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<true, KD, VT>::bytes, stream, a);
         });
       });
     });

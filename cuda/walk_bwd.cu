@@ -81,10 +81,9 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
       dispatch_head_dim(V, [&](auto vdim) {
         // VT = V (one CTA per (segment, head)), except f32 at K = V = 128: VT = 64
         constexpr int VT = walk_bwd_wg_vt<In, KD, decltype(vdim)::value>();
-        using Sm = WalkBwdWgSmem<In, KD, VT>;
         const dim3 grid(static_cast<unsigned>(S * HV * (V / VT)));
         auto run = [&](auto kernel, size_t smem) {
-          err = launch(kernel, grid, 2 * VT, smem, stream,
+          err = launch(kernel, grid, walk_bwd_wg_threads<VT>(), smem, stream,
                        static_cast<const In*>(q.untyped_data()),
                        static_cast<const In*>(k.untyped_data()),
                        static_cast<const bf16*>(w.untyped_data()), G.typed_data(),
@@ -100,9 +99,9 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                        static_cast<int>(NC), scale);
         };
         if (has_scores) {
-          run(walk_bwd_wg_kernel<In, KD, VT, true>, Sm::bytes_scores);
+          run(walk_bwd_wg_kernel<In, KD, VT, true>, WalkBwdWgSmem<KD, VT, true>::bytes);
         } else {
-          run(walk_bwd_wg_kernel<In, KD, VT, false>, Sm::bytes_no_scores);
+          run(walk_bwd_wg_kernel<In, KD, VT, false>, WalkBwdWgSmem<KD, VT, false>::bytes);
         }
       });
     });

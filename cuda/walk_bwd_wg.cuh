@@ -4,60 +4,125 @@
 //   dS_end[c] = dS;   dv_local = scale Att^T dO;   dvn = dv_local + diag(e^{G_C - G}) K dS
 //   dS <- e^{G_C} dS + (Q scale e^G)^T dO - w^T dvn;   dh0 = dS after the segment's first chunk
 //
-// One CTA of VT / 64 warpgroups per (segment, head, VT columns): warpgroup wg owns columns
-// 64 wg.. of the tile (its dS in K / 64 wgmma accumulators, its slabs Sb = bf16(dS), dOs, dOg,
-// Dvn); Q, K, w and Att slabs are shared. Per chunk:
-//   top: w(c) by cp.async straight into its slab; staged q, k, dO (and the saved scores) ->
-//        Qs = q rstd_q, Ks = k rstd_k, dOs = scale dO, dOg = scale e^G dO, Att; Sb = bf16(dS)
-//        (and dS_end[c] from it)
+// One CTA of VT / 64 compute warpgroups per (segment, head, VT columns), then a producer
+// warpgroup: compute warpgroup wg owns columns 64 wg.. of the tile (its dS in K / 64 wgmma
+// accumulators, its slabs Sb = bf16(dS), dOs, dOg, Dvn); Q, K, w and Att slabs are shared.
+// The producer fills chunk c - 1's inputs into the other of two buffers while the compute warps
+// work on chunk c: w (and the saved scores) by cp.async straight into their slabs; G, rstd_q,
+// rstd_k by cp.async into its own rows; bf16 q, k, dO by cp.async raw into their slabs, then
+// scaled there by the thread that copied each piece (f32: plain loads, 8 in flight a thread,
+// converted on the way): Qs = q rstd_q, Ks = k rstd_k, dOs = scale dO, dOg = scale e^G dO (the
+// values the former staging pass made) and sG (G, padding rows G_C). It waits for its copies,
+// fences them (fence.proxy.async) and arrives at the barrier that opens the chunk; the compute
+// warps issue no copies. Per chunk, the compute warps:
+//   top: Sb = bf16(dS) (and dS_end[c] from it)
 //   Att (kScores = false): Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT =
 //        128), gated (wg_gate_scores, wg_acc.cuh) into the Att slab; with saved scores (the
-//        output kernel's) copied instead
+//        output kernel's) the producer's copy
 //   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);  -dvn = -(e^{G_C - G} acc + dvl) -> Dvn slab
 //   dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn     (A MN-major from the [token][key] slabs; the
 //        Qs^T dOg half is issued with acc and runs while acc, Att, dvl and Dvn are made; with
 //        saved scores dvl is issued in that batch too)
+// Barriers: 0 opens a chunk (all threads); 3 (compute warps) completes Att; 1 + wg (one
+// warpgroup) completes its Sb and Dvn; 4 (producer) its rows.
+// Shared memory (K = V = 128): per buffer Ws, Qs, Ks 16 KB each, dOs and dOg 2 x 8 KB each (+ the
+// saved Att 8 KB); Att 8 KB (recomputed), Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 1.25 KB; + 1 KB
+// alignment: 218.25 KB (226.25 KB with saved scores), 1 CTA per SM. No staging: the size no
+// longer depends on In.
+// Registers at VT = 128: the CTA (384 threads) launches at 168 a thread; the producer drops to
+// 56, the compute warpgroups rise to 224 (setmaxnreg; 2 x 224 + 56 = 504). VT = 64: 256 threads,
+// no reallocation.
 // Every operand and every accumulator's k16 steps are the former mma.sync kernel's, in the same
 // order from the same start, so dS_end and dh0 are expected bit for bit equal to it. Unused
 // chunks (after every segment's chunks) get dS_end = 0, as the xla reverse scan gives. dS_end is
 // bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
 #pragma once
 
-#include "state_walk_wg.cuh"
+#include "wg_acc.cuh"
 
 namespace jax_cake_gdn {
 
-template <typename In, int K, int VT>
+template <int K, int VT, bool kScores>
 struct WalkBwdWgSmem {
   static constexpr int kWarpgroups = VT / 64;
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  static constexpr size_t oWs = 0;
-  static constexpr size_t oQs = oWs + kTok;
-  static constexpr size_t oKs = oQs + kTok;
-  static constexpr size_t oAtt = oKs + kTok;                       // [i][j]
-  static constexpr size_t oSb = oAtt + kSlab;                      // per warpgroup, K rows
-  static constexpr size_t oDOs = oSb + kWarpgroups * size_t{K} * 128;  // per warpgroup
-  static constexpr size_t oDOg = oDOs + kWarpgroups * kSlab;
-  static constexpr size_t oDvn = oDOg + kWarpgroups * kSlab;
-  static constexpr size_t oStQ = oDvn + kWarpgroups * kSlab;       // In [64][K]
-  static constexpr size_t oStK = oStQ + size_t{kChunk} * K * sizeof(In);
-  static constexpr size_t oStO = oStK + size_t{kChunk} * K * sizeof(In);  // In [64][VT]
-  static constexpr size_t oRows = oStO + size_t{kChunk} * VT * sizeof(In);  // G, rq, rk, sG
-  static constexpr size_t oStA = oRows + 4 * kChunk * sizeof(float);  // saved scores bf16
-  static constexpr size_t bytes_no_scores = oStA + 1024;               // + alignment
-  static constexpr size_t bytes_scores = oStA + size_t{kChunk} * kChunk * 2 + 1024;
-  static constexpr bool fits = bytes_scores <= 227 * 1024;
+  // One chunk's inputs (two buffers): Ws, Qs, Ks, then per warpgroup dOs and dOg, then the saved
+  // scores' Att (kScores)
+  static constexpr size_t bWs = 0;
+  static constexpr size_t bQs = bWs + kTok;
+  static constexpr size_t bKs = bQs + kTok;
+  static constexpr size_t bDOs = bKs + kTok;
+  static constexpr size_t bDOg = bDOs + kWarpgroups * kSlab;
+  static constexpr size_t bAtt = bDOg + kWarpgroups * kSlab;
+  static constexpr size_t kBuf = bAtt + (kScores ? kSlab : 0);
+  static constexpr size_t oAtt = 2 * kBuf;  // [i][j], recomputed (!kScores)
+  static constexpr size_t oSb = oAtt + (kScores ? 0 : kSlab);           // per warpgroup, K rows
+  static constexpr size_t oDvn = oSb + kWarpgroups * size_t{K} * 128;   // per warpgroup
+  static constexpr size_t oSG = oDvn + kWarpgroups * kSlab;  // 2 x G of the chunk (padded G_C)
+  static constexpr size_t oStG = oSG + 2 * kChunk * sizeof(float);  // producer: G, rq, rk
+  static constexpr size_t bytes = oStG + 3 * kChunk * sizeof(float) + 1024;  // + alignment
+  static_assert(bytes <= 227 * 1024, "walk_bwd_wg: shared memory over the sm_90 limit");
 };
 
-// Columns per CTA: all of V where that fits (every shape but f32 inputs at K = V = 128: 64).
+// Columns per CTA: all of V, but 64 for f32 inputs at K = V = 128 (the split from before the
+// producer warpgroup, when f32 staging did not fit; VT = V would fit now, not measured).
 template <typename In, int K, int V>
 constexpr int walk_bwd_wg_vt() {
-  return WalkBwdWgSmem<In, K, V>::fits ? V : 64;
+  return std::is_same_v<In, float> && K == 128 && V == 128 ? 64 : V;
+}
+
+template <int VT>
+constexpr int walk_bwd_wg_threads() {
+  return 2 * VT + 128;  // VT / 64 compute warpgroups of 128, then the producer warpgroup
+}
+
+// The producer's pieces of a 64 x D chunk tile of In (TilePieces over its 128 threads); put(t, c,
+// f, r) stores piece (t, columns c..c+7) from its values f[8] and r = row(t). bf16: the tile has
+// landed raw in the slabs at `landed` by this thread's own cp.async (rows >= len zero). f32: it
+// is loaded here, NB 16-byte loads in flight per batch, kept raw until stored (fewer live
+// registers), rows >= len zero.
+template <int D, int NB, typename In, typename Row, typename Put>
+__device__ __forceinline__ void walk_bwd_convert(unsigned char* landed, const In* src,
+                                                 int64_t row_stride, int len, Row row, Put put) {
+  using P = TilePieces<kChunk, D, 128>;
+  const int t0 = P::row0(), c = P::col();
+  if constexpr (sizeof(In) == 2) {
+#pragma unroll 4
+    for (int j = 0; j < P::kPer; ++j) {
+      const int t = t0 + j * P::kRowStep;
+      float f[8];
+      lds8(slab_at<kChunk>(landed)(t, c), f);
+      put(t, c, f, row(t));
+    }
+  } else {
+    constexpr int kNB = NB / 2 < P::kPer ? NB / 2 : P::kPer;  // pieces (2 loads each) per batch
+    static_assert(kNB >= 1 && P::kPer % kNB == 0, "tile does not split evenly");
+#pragma unroll 1
+    for (int b0 = 0; b0 < P::kPer; b0 += kNB) {
+      float4 r[kNB][2];
+      float rv[kNB];
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) {
+        const int t = t0 + (b0 + j) * P::kRowStep;
+        rv[j] = row(t);
+        const float4* p = reinterpret_cast<const float4*>(src + t * row_stride + c);
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+          r[j][e] = t < len ? __ldg(p + e) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kNB; ++j) {
+        const float f[8] = {r[j][0].x, r[j][0].y, r[j][0].z, r[j][0].w,
+                            r[j][1].x, r[j][1].y, r[j][1].z, r[j][1].w};
+        put(t0 + (b0 + j) * P::kRowStep, c, f, rv[j]);
+      }
+    }
+  }
 }
 
 template <typename In, int K, int VT, bool kScores>
-__global__ void __launch_bounds__(2 * VT, 1)
+__global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     walk_bwd_wg_kernel(const In* __restrict__ q, const In* __restrict__ k,
                        const bf16* __restrict__ w, const float* __restrict__ G,
                        const In* __restrict__ dout, const float* __restrict__ dfinal,
@@ -72,133 +137,159 @@ __global__ void __launch_bounds__(2 * VT, 1)
                        float scale) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(VT == 64 || VT == 128, "one or two warpgroups");
-  using Sm = WalkBwdWgSmem<In, K, VT>;
-  static_assert(Sm::fits, "walk_bwd_wg: shared memory over the sm_90 limit");
-  constexpr int kThreads = 2 * VT;
+  using Sm = WalkBwdWgSmem<K, VT, kScores>;
+  constexpr int kCompute = 2 * VT;  // compute threads; the producer warpgroup follows them
+  constexpr int kLoaders = 128;
+  static_assert(walk_bwd_wg_threads<VT>() == kCompute + kLoaders, "one producer warpgroup");
+  // VT = 128: three warpgroups launch at 168 registers a thread; the producer gives back to 56,
+  // the compute warpgroups take 224 (2 x 224 + 56 = 504 per thread triple). VT = 64: two
+  // warpgroups (up to 255 a thread), no reallocation.
+  constexpr bool kRealloc = Sm::kWarpgroups == 2;
+  constexpr int kComputeRegs = 224, kProducerRegs = 56;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
-  unsigned char* Ws = smem + Sm::oWs;
-  unsigned char* Qs = smem + Sm::oQs;
-  unsigned char* Ks = smem + Sm::oKs;
-  unsigned char* AttS = smem + Sm::oAtt;
-  In* stQ = reinterpret_cast<In*>(smem + Sm::oStQ);
-  In* stK = reinterpret_cast<In*>(smem + Sm::oStK);
-  In* stO = reinterpret_cast<In*>(smem + Sm::oStO);
-  float* stG = reinterpret_cast<float*>(smem + Sm::oRows);
-  float* stRq = stG + kChunk;
-  float* stRk = stRq + kChunk;
-  float* sG = stRk + kChunk;  // G of the chunk, padding rows G_C
-  bf16* stA = reinterpret_cast<bf16*>(smem + Sm::oStA);  // kScores only
+  auto buf = [&](int b) { return smem + b * Sm::kBuf; };
+  auto sG = [&](int b) {  // G of the chunk, padding rows G_C (as xla)
+    return reinterpret_cast<float*>(smem + Sm::oSG) + b * kChunk;
+  };
 
-  const int ntiles = V / VT;
-  const int tile = blockIdx.x % ntiles, rest = blockIdx.x / ntiles;
-  const int hv = rest % HV, s = rest / HV, v0 = tile * VT;
-  const int hk = hv / (HV / H);
+  // This CTA's (segment, head, column tile) and chunks, worked out on each side of the role split
+  // (nothing is live across it but the kernel's parameters)
+  struct Cta {
+    int hv, hk, s, v0, c_first, c_last;
+    bool empty;
+  };
+  auto cta = [&] {
+    Cta a;
+    const int ntiles = V / VT;
+    const int rest = static_cast<int>(blockIdx.x) / ntiles;
+    a.hv = rest % HV;
+    a.s = rest / HV;
+    a.v0 = static_cast<int>(blockIdx.x) % ntiles * VT;
+    a.hk = a.hv / (HV / H);
+    a.c_first = seg_first[a.s];
+    a.c_last = seg_last[a.s];
+    a.empty = seg_len[a.s] <= 0 || a.c_first < 0 || a.c_last >= NC || a.c_last < a.c_first;
+    return a;
+  };
+  const int64_t state_stride = int64_t{K} * V;
+
+  // The two roles never merge again after this branch (ptxas applies each register limit to its
+  // own path only).
+  if (threadIdx.x >= kCompute) {  // the producer warpgroup
+    if constexpr (kRealloc) warpgroup_reg_dealloc<kProducerRegs>();
+    const Cta a = cta();
+    if (a.empty) return;
+    const int hv = a.hv, hk = a.hk, v0 = a.v0, c_first = a.c_first, c_last = a.c_last;
+    float* stG = reinterpret_cast<float*>(smem + Sm::oStG);  // the producer's own rows
+    float* stRq = stG + kChunk;
+    float* stRk = stRq + kChunk;
+    const int pt = static_cast<int>(threadIdx.x) - kCompute;
+    auto copy_chunk = [&](int c, int b) {
+      const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
+      const int len = cs.len;
+      unsigned char* Qs = buf(b) + Sm::bQs;
+      unsigned char* Ks = buf(b) + Sm::bKs;
+      unsigned char* DOs = buf(b) + Sm::bDOs;
+      unsigned char* DOg = buf(b) + Sm::bDOg;
+      const int64_t qk_off = (cs.start * H + hk) * K;
+      const int64_t o_off = (cs.start * HV + hv) * V + v0;
+      const RowVector rows[3] = {{stG, G, HV, hv}, {stRq, rstd_q, H, hk}, {stRk, rstd_k, H, hk}};
+      cp_async_row_vectors<kLoaders>(rows, cs.start, len);
+      cp_async_commit();
+      if constexpr (sizeof(In) == 2) {  // q, k, dO raw into their slabs (scaled there below)
+        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(Qs), q + qk_off,
+                                                     int64_t{H} * K, len);
+        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(Ks), k + qk_off,
+                                                     int64_t{H} * K, len);
+        cp_async_tile_at<kChunk, VT, kLoaders, false>(slab_at<kChunk>(DOs), dout + o_off,
+                                                      int64_t{HV} * V, len);
+      }
+      cp_async_commit();
+      // w (and the saved scores) straight into their slabs
+      cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(buf(b) + Sm::bWs),
+                                                   w + (cs.start * HV + hv) * K,
+                                                   int64_t{HV} * K, len);
+      if constexpr (kScores)
+        cp_async_tile_at<kChunk, kChunk, kLoaders, false>(
+            slab_at<kChunk>(buf(b) + Sm::bAtt),
+            scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
+      cp_async_commit();
+      cp_async_wait<1>();  // the rows (and raw q, k, dO)
+      producer_sync();     // every thread's rows
+      if (pt < kChunk) {
+        const float GC = len > 0 ? stG[len - 1] : 0.f;
+        sG(b)[pt] = pt < len ? stG[pt] : GC;
+      }
+      // q, k x rstd; dO x scale and x scale e^G (rows >= len: zeros times these, as staged)
+      constexpr int kNB = 8;  // f32: 16-byte loads in flight a thread
+      auto rq = [&](int t) { return rstd_q != nullptr ? stRq[t] : 1.f; };
+      auto rk = [&](int t) { return rstd_k != nullptr ? stRk[t] : 1.f; };
+      auto eg = [&](int t) { return __expf(stG[t]); };
+      walk_bwd_convert<K, kNB>(Qs, q + qk_off, int64_t{H} * K, len, rq,
+                               [&](int t, int c8, const float (&f)[8], float r) {
+                                 sts8_bf16(slab_at<kChunk>(Qs)(t, c8), f, r);
+                               });
+      walk_bwd_convert<K, kNB>(Ks, k + qk_off, int64_t{H} * K, len, rk,
+                               [&](int t, int c8, const float (&f)[8], float r) {
+                                 sts8_bf16(slab_at<kChunk>(Ks)(t, c8), f, r);
+                               });
+      walk_bwd_convert<VT, kNB>(DOs, dout + o_off, int64_t{HV} * V, len, eg,
+                                [&](int t, int c8, const float (&f)[8], float e) {
+                                  sts8_bf16(slab_at<kChunk>(DOs)(t, c8), f, scale);
+                                  sts8_bf16(slab_at<kChunk>(DOg)(t, c8), f, scale * e);
+                                });
+      cp_async_wait_all();
+      fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
+    };
+    // chunk c while the compute warps work on chunk c + 1 (the first: before they start)
+    for (int c = c_last, b = 0; c >= c_first; --c, b ^= 1) {
+      copy_chunk(c, b);
+      __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c + 1
+    }
+    return;  // barrier 0 is not used after the last chunk opens
+  }
+
+  if constexpr (kRealloc) warpgroup_reg_alloc<kComputeRegs>();
+  const Cta a = cta();
+  const int hv = a.hv, s = a.s, v0 = a.v0, c_first = a.c_first, c_last = a.c_last;
+  const bool empty = a.empty;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, qd = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in it
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
-  unsigned char* DOs = smem + Sm::oDOs + wg * Sm::kSlab;
-  unsigned char* DOg = smem + Sm::oDOg + wg * Sm::kSlab;
   unsigned char* Dvn = smem + Sm::oDvn + wg * Sm::kSlab;
-  const int64_t state_stride = int64_t{K} * V;
   const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + v0 + 64 * wg;
 
   float S[K / 64][32];
   wg_state_rw<K>(S, const_cast<float*>(dfinal) + state0, V, false, wq);
-
-  const int c_first = seg_first[s], c_last = seg_last[s];
-  const bool empty = seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
   if (empty) {
     wg_state_rw<K>(S, dh0 + state0, V, true, wq);
     // No used chunk at all (no tokens): every dS_end is zero, written by segment 0.
     if (s == 0 && NC > 0 && clen[0] <= 0) {
       for (int c = 0; c < NC; ++c)
-        for (int i = tid; i < K * VT; i += kThreads)
+        for (int i = tid; i < K * VT; i += kCompute)
           dS_end[(static_cast<int64_t>(c) * HV + hv) * state_stride + (i / VT) * V + v0 +
                  i % VT] = __float2bfloat16_rn(0.f);
     }
     return;
   }
 
-  auto prefetch_w = [&](int c) {  // straight into its slabs (after the last reader, Ws^T Dvn)
-    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    cp_async_tile_at<kChunk, K, kThreads, false>(
-        slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
-  };
-  auto prefetch_rows = [&](int c) {  // q, k, dO columns v0.., G, rstd (and scores) to staging
-    const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-    cp_async_tile<kChunk, K, kThreads, false>(stQ, K, q + (cs.start * H + hk) * K,
-                                              int64_t{H} * K, cs.len);
-    cp_async_tile<kChunk, K, kThreads, false>(stK, K, k + (cs.start * H + hk) * K,
-                                              int64_t{H} * K, cs.len);
-    cp_async_tile<kChunk, VT, kThreads, false>(stO, VT, dout + (cs.start * HV + hv) * V + v0,
-                                               int64_t{HV} * V, cs.len);
-    if constexpr (kScores) {
-      const bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
-#pragma unroll 4
-      for (int idx = tid; idx < kChunk * kChunk / 8; idx += kThreads)
-        cp_async16(stA + 8 * idx, sp + 8 * idx, true);
-    }
-    const RowVector rows[3] = {{stG, G, HV, hv}, {stRq, rstd_q, H, hk}, {stRk, rstd_k, H, hk}};
-    cp_async_row_vectors<kThreads>(rows, cs.start, cs.len);
-  };
-
-  // Commit groups per chunk c: w(c) at the top (waited for before the last product); the rows of
-  // c - 1 once the staging is converted. The top waits for everything.
-  prefetch_rows(c_last);
-  cp_async_commit();
-  for (int c = c_last; c >= c_first; --c) {
+  for (int c = c_last, b = 0; c >= c_first; --c, b ^= 1) {
     const int len = chunk_span(cstart, clen, c, num_tokens).len;
-    cp_async_wait_all();
-    __syncthreads();  // chunk c's staging has landed; every warp is done with chunk c + 1
-    prefetch_w(c);
-    cp_async_commit();
+    __syncthreads();  // chunk c's slabs and rows are in; every warp is done with chunk c + 1
+    const unsigned char* Ws = buf(b) + Sm::bWs;
+    const unsigned char* Qs = buf(b) + Sm::bQs;
+    const unsigned char* Ks = buf(b) + Sm::bKs;
+    const unsigned char* DOs = buf(b) + Sm::bDOs + wg * Sm::kSlab;
+    const unsigned char* DOg = buf(b) + Sm::bDOg + wg * Sm::kSlab;
+    unsigned char* AttS = kScores ? buf(b) + Sm::bAtt : smem + Sm::oAtt;
+    const float* sg = sG(b);
 
-    const float GC = len > 0 ? stG[len - 1] : 0.f;
+    const float GC = len > 0 ? sg[len - 1] : 0.f;
     const float eGC = __expf(GC);
-    // staging -> slabs (q, k x rstd; dO x scale, and x scale e^G)
-    {
-      using PK = TilePieces<kChunk, K, kThreads>;
-      const int tk = PK::row0(), ck = PK::col();
-#pragma unroll 2
-      for (int j = 0; j < PK::kPer; ++j) {
-        const int t = tk + j * PK::kRowStep;
-        const uint32_t off = slab_offset<kChunk>(t, ck);
-        float f[8];
-        lds8(stQ + t * K + ck, f);
-        sts8_bf16(reinterpret_cast<bf16*>(Qs + off), f, rstd_q != nullptr ? stRq[t] : 1.f);
-        lds8(stK + t * K + ck, f);
-        sts8_bf16(reinterpret_cast<bf16*>(Ks + off), f, rstd_k != nullptr ? stRk[t] : 1.f);
-      }
-      using PO = TilePieces<kChunk, VT, kThreads>;
-      const int to = PO::row0(), co = PO::col();
-#pragma unroll 2
-      for (int j = 0; j < PO::kPer; ++j) {
-        const int t = to + j * PO::kRowStep;
-        // column co of the tile: warpgroup co / 64's slabs
-        const uint32_t off = (co / 64) * Sm::kSlab + sw128_offset(t, co % 64);
-        float f[8];
-        lds8(stO + t * VT + co, f);  // rows >= len are zero
-        sts8_bf16(reinterpret_cast<bf16*>(smem + Sm::oDOs + off), f, scale);
-        sts8_bf16(reinterpret_cast<bf16*>(smem + Sm::oDOg + off), f, scale * __expf(stG[t]));
-      }
-      if constexpr (kScores) {
-        using PA = TilePieces<kChunk, kChunk, kThreads>;
-        const int ta = PA::row0(), ca = PA::col();
-#pragma unroll 2
-        for (int j = 0; j < PA::kPer; ++j) {
-          const int t = ta + j * PA::kRowStep;
-          *reinterpret_cast<uint4*>(AttS + sw128_offset(t, ca)) =
-              *reinterpret_cast<const uint4*>(stA + t * kChunk + ca);
-        }
-      }
-      if (tid < kChunk) sG[tid] = tid < len ? stG[tid] : GC;  // padding rows: G = GC (as xla)
-    }
     wg_write_sb<K>(S, Sb, wq);
     fence_proxy_async();
-    __syncthreads();  // slabs ready; the staging is free
-    if (c > c_first) prefetch_rows(c - 1);
-    cp_async_commit();
+    warpgroup_sync(wg);  // Sb ready (read by its own warpgroup only)
     // dS_end[c] = the carried gradient (bf16)
     wg_copy_sb<K>(Sb, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0 + 64 * wg,
                   V, tid & 127);
@@ -248,7 +339,7 @@ __global__ void __launch_bounds__(2 * VT, 1)
     };
     if constexpr (kScores) {
       issue_dvl();
-      wgmma_wait<2>();  // acc (and att) done; dS's first half and dvl may still run
+      wgmma_wait<2>();  // acc done; dS's first half and dvl may still run
     } else {
       wgmma_wait<1>();
     }
@@ -256,10 +347,10 @@ __global__ void __launch_bounds__(2 * VT, 1)
     if constexpr (!kScores) {
       wgmma_fence_operand(att);
       // the mask and Gam, this warpgroup's columns, into the Att slab
-      wg_gate_scores<kAttCols>(att, sG, wq, kAttCols * wg);
+      wg_gate_scores<kAttCols>(att, sg, wq, kAttCols * wg);
       wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg);
       fence_proxy_async();
-      __syncthreads();  // Att complete
+      compute_sync<kCompute>();  // Att complete
       issue_dvl();
     }
     wgmma_wait<0>();
@@ -268,7 +359,7 @@ __global__ void __launch_bounds__(2 * VT, 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = 16 * wq + g + 8 * half;
-      const float dec = __expf(GC - sG[t]);
+      const float dec = __expf(GC - sg[t]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float x0 = dec * acc[4 * j + 2 * half] + dvl[4 * j + 2 * half];
@@ -276,9 +367,8 @@ __global__ void __launch_bounds__(2 * VT, 1)
         *reinterpret_cast<uint32_t*>(Dvn + sw128_offset(t, 8 * j + 2 * qd)) = pack_bf16(-x0, -x1);
       }
     }
-    cp_async_wait<1>();  // w(c) has landed (the rows of c - 1 may still fly)
     fence_proxy_async();
-    __syncthreads();  // Dvn, Ws complete
+    warpgroup_sync(wg);  // Dvn complete (read by its own warpgroup only)
 
     // dS += Ws^T Dvn (the second half of the state update)
 #pragma unroll
@@ -288,14 +378,14 @@ __global__ void __launch_bounds__(2 * VT, 1)
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
-    for (int b = 0; b < K / 64; ++b) wgmma_fence_operand(S[b]);
+    for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
   }
 
   wg_state_rw<K>(S, dh0 + state0, V, true, wq);
   // The last used chunk's segment also zeroes the unused chunks' dS_end.
   if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
     for (int c = c_last + 1; c < NC; ++c)
-      for (int i = tid; i < K * VT; i += kThreads)
+      for (int i = tid; i < K * VT; i += kCompute)
         dS_end[(static_cast<int64_t>(c) * HV + hv) * state_stride + (i / VT) * V + v0 + i % VT] =
             __float2bfloat16_rn(0.f);
   }

@@ -85,6 +85,11 @@ __device__ __forceinline__ void compute_sync() {
   asm volatile("bar.sync 3, %0;\n" ::"n"(Threads) : "memory");
 }
 
+// Barrier of the producer warpgroup (the last 128 threads) of such a kernel: named barrier 4.
+__device__ __forceinline__ void producer_sync() {
+  asm volatile("bar.sync 4, 128;\n" ::: "memory");
+}
+
 // Hopper's per-warpgroup register reallocation (every warp of the warpgroup executes it): a
 // producer warpgroup gives registers back, compute warpgroups take them, so a CTA of three
 // warpgroups (launched at 168 registers a thread) runs its compute warps at up to N.

@@ -1,0 +1,354 @@
+// The forward state walks on Hopper warpgroup MMA, one kernel template for both:
+//   kOut = false, the state walk (DESIGN.md section 1): writes the h tape, v_new and the final
+//     state;
+//   kOut = true, the light forward's fused walk + output: writes o and the final state (neither
+//     h nor v_new leaves the chip).
+// Per segment and value head, walk the segment's chunks in order:
+//
+//   h[c] = S;   v_new = u - w S;   S <- e^{G_C} S + k^T diag(d) v_new,  d_t = r_t e^{G_C - G_t}
+//   (kOut)  Att_ij = [j <= i] e^{G_i - G_j} (q_i . k_j) r_j;
+//           o_i = scale rq_i (e^{G_i} q_i S + (Att v_new)_i)
+//
+// (r = rstd of k, rq = rstd of q, 1 without L2 norm; d = 0 beyond the chunk). q and k enter the
+// products as they are (bf16 q, k land by cp.async straight into their swizzled slabs, f32 q, k
+// are rounded on the way) and every per-token factor is applied to an accumulator or to v_new.
+// One CTA of V / 64 compute warpgroups plus a producer warpgroup per (segment, value head), grid
+// S x HV (segment-major, in the table's segment order). Compute warpgroup wg owns the value
+// columns 64 wg..64 wg + 63: its K x 64 f32 state in K / 64 wgmma accumulators of 64 x 64
+// (rows: key, columns: value; wg_acc.cuh), its slabs Sb, Vd (and Vn), and (kOut) the columns
+// kAttCols wg.. of Att (kAttCols = 64 / (V / 64)). Per chunk:
+//   top: Sb = bf16(S); the product-1 accumulator = u; warpgroup barrier
+//   product 1: v_new = u - Ws Sb  (m64n64, K / 16 steps; A = w K-major, B = Sb MN-major)
+//     tapes: h[c] = Sb (16-byte stores from Sb while the product runs); v_new to global
+//     kOut: then oacc = Q Sb, att = Q K^T (this warpgroup's columns); Vn = bf16(v_new),
+//           Att gated (wg_gate_scores) into a slab
+//   Vd = bf16(d v_new)
+//   product 2: S = e^{G_C} S + K^T Vd  (per 64-key block: m64n64, 4 steps; A = k MN-major)
+//     kOut: oacc = e^G oacc + Att Vn;  o = scale rq oacc
+// Both modes run the state update with the same operands and k16 order (the final states are
+// bit for bit equal, and equal to the one-warpgroup-per-V-tile state walk this replaced). o
+// rounds other operands than the output kernel (which takes bf16(q rq), bf16(k r)), so o agrees
+// with state_walk + output to bf16 rounding.
+// Every input of chunk c + 1 (k, w, u, rows G / rstd; kOut: q, rstd_q) is double-buffered by
+// chunk parity and copied by the producer warpgroup (after the compute warpgroups) while the
+// compute warps work on chunk c: it issues the cp.async pieces, waits for them and fences them
+// before it arrives at the barrier that opens chunk c + 1, so the compute warps issue no copies.
+// Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56, the compute warpgroups take
+// the rest (V = 128: 168 a thread at launch, compute 224; tapes at V = 64: 2 CTAs per SM, 128 at
+// launch, compute 200; kOut at V = 64: 1 CTA per SM, no reallocation).
+// Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Sb 2 x 16 KB, Vd 2 x 8 KB,
+// rows 2 x 512 B, + 1 KB alignment: 146 KB (tapes); kOut adds q 2 x 16 KB, Vn 2 x 8 KB, Att
+// 8 KB and rstd_q rows: 203 KB. One CTA of 12 warps per SM.
+#pragma once
+
+#include <type_traits>
+
+#include "wg_acc.cuh"
+
+namespace jax_cake_gdn {
+
+// Operands of walk_fwd_wg_kernel. q, rstd_q, o, scale: kOut only; h, v_new: tapes only.
+template <typename In, typename Out>
+struct WalkFwdArgs {
+  const In* q;
+  const In* k;
+  const bf16* w;
+  const bf16* u;
+  const float* G;
+  const float* h0;
+  const float* rstd_q;  // nullable
+  const float* rstd;    // of k; nullable
+  const int32_t* cstart;
+  const int32_t* clen;
+  const int32_t* seg_first;
+  const int32_t* seg_last;
+  const int32_t* seg_len;
+  Out* o;
+  bf16* h;
+  bf16* v_new;
+  float* final_state;
+  int64_t num_tokens;
+  int H, HV, NC;
+  float scale;
+};
+
+template <bool kOut, int K, int V>
+struct WalkFwdWgSmem {
+  static constexpr int kWarpgroups = V / 64;  // compute warpgroups
+  static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
+  static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
+  static constexpr size_t kRows = (kOut ? 3 : 2) * kChunk * sizeof(float);  // G, rstd, rstd_q
+  static constexpr size_t oK = 0;                                        // 2 buffers
+  static constexpr size_t oWs = oK + 2 * kTok;                           // 2 buffers
+  static constexpr size_t oUs = oWs + 2 * kTok;  // 2 buffers of V / 64 slabs [token][v]
+  static constexpr size_t oSb = oUs + 2 * kWarpgroups * kSlab;           // per warpgroup
+  static constexpr size_t oVd = oSb + kWarpgroups * size_t{K} * 128;     // per warpgroup
+  static constexpr size_t oQ = oVd + kWarpgroups * kSlab;                // kOut: 2 buffers
+  static constexpr size_t oVn = oQ + (kOut ? 2 * kTok : 0);              // kOut: per warpgroup
+  static constexpr size_t oAtt = oVn + (kOut ? kWarpgroups * kSlab : 0);  // kOut: [i][j]
+  static constexpr size_t oRows = oAtt + (kOut ? kSlab : 0);             // 2 buffers
+  static constexpr size_t bytes = oRows + 2 * kRows + 1024;  // + alignment
+  static_assert(bytes <= 227 * 1024, "walk_fwd_wg: shared memory over the sm_90 limit");
+};
+
+template <int V>
+constexpr int walk_fwd_wg_threads() {
+  return 2 * V + 128;  // V / 64 compute warpgroups of 128, then the producer warpgroup
+}
+
+// CTAs per SM the launch bounds ask for: 2 for the tapes at V = 64 (one compute warpgroup, about
+// 106 KB of shared memory), else 1.
+template <bool kOut, int V>
+constexpr int walk_fwd_wg_ctas() {
+  return !kOut && V == 64 ? 2 : 1;
+}
+
+// setmaxnreg targets (a multiple of 8 each): the producer's 56 and the compute warpgroups' share
+// of the rest of the launch allocation; none when the launch allows 255 already.
+template <bool kOut, int V>
+struct WalkFwdWgRegs {
+  static constexpr int kThreads = walk_fwd_wg_threads<V>(), kWarpgroups = V / 64;
+  static constexpr int kLaunch = 65536 / (kThreads * walk_fwd_wg_ctas<kOut, V>()) / 8 * 8;
+  static constexpr bool kRealloc = kLaunch < 255;
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kComputeRegs =
+      ((kWarpgroups + 1) * kLaunch - kProducerRegs) / kWarpgroups / 8 * 8;
+  static_assert(!kRealloc || (kComputeRegs >= kLaunch && kComputeRegs <= 256),
+                "bad register split");
+};
+
+template <bool kOut, typename In, typename Out, int K, int V>
+__global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kOut, V>()))
+    walk_fwd_wg_kernel(const WalkFwdArgs<In, Out> a) {
+  static_assert(K == 64 || K == 128, "K = 64 or 128");
+  static_assert(V == 64 || V == 128, "V = 64 or 128");
+  using Sm = WalkFwdWgSmem<kOut, K, V>;
+  using Regs = WalkFwdWgRegs<kOut, V>;
+  static_assert(walk_fwd_wg_ctas<kOut, V>() * (Sm::bytes + 1024) <= 228 * 1024,
+                "walk_fwd_wg: the CTAs per SM do not fit in shared memory");
+  constexpr int kCompute = 2 * V;  // compute threads; the producer warpgroup follows them
+  constexpr int kLoaders = 128;
+  static_assert(walk_fwd_wg_threads<V>() == kCompute + kLoaders, "one producer warpgroup");
+  constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup (kOut)
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  unsigned char* smem = align_1024(smem_raw);
+
+  const int H = a.H, HV = a.HV, NC = a.NC;
+  const int hv = blockIdx.x % HV, s = blockIdx.x / HV;  // segments x heads (table order)
+  const int hk = hv / (HV / H);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in it
+  const bool producer = threadIdx.x >= kCompute;
+  const int64_t state_stride = int64_t{K} * V;
+  const int c_first = a.seg_first[s], c_last = a.seg_last[s];
+  const bool empty = a.seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
+
+  auto q_slabs = [&](int b) { return smem + Sm::oQ + b * Sm::kTok; };
+  auto k_slabs = [&](int b) { return smem + Sm::oK + b * Sm::kTok; };
+  auto w_slabs = [&](int b) { return smem + Sm::oWs + b * Sm::kTok; };
+  auto u_slabs = [&](int b) { return smem + Sm::oUs + b * Sm::kWarpgroups * Sm::kSlab; };
+  auto rows = [&](int b) { return reinterpret_cast<float*>(smem + Sm::oRows + b * Sm::kRows); };
+
+  // The two roles never merge again after this branch (ptxas applies each register limit to its
+  // own path only).
+  if (producer) {  // chunk c + 1 into buffer b ^ 1 while the compute warps work on chunk c
+    if constexpr (Regs::kRealloc) warpgroup_reg_dealloc<Regs::kProducerRegs>();
+    if (empty) return;
+    auto copy_qk = [&](const In* src, unsigned char* slabs, int64_t start, int len) {
+      const In* p = src + (start * H + hk) * K;
+      if constexpr (std::is_same_v<In, bf16>) {
+        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(slabs), p, int64_t{H} * K,
+                                                     len);
+      } else {  // f32: rounded to bf16 on the way (plain loads)
+        load_tile_bf16_at<kChunk, K, 4, kLoaders>(slab_at<kChunk>(slabs), p, int64_t{H} * K,
+                                                  max(len, 1), ScaleOne{});
+      }
+    };
+    auto copy_chunk = [&](int c, int b) {
+      const ChunkSpan cs = chunk_span(a.cstart, a.clen, c, a.num_tokens);
+      if constexpr (kOut) copy_qk(a.q, q_slabs(b), cs.start, cs.len);
+      copy_qk(a.k, k_slabs(b), cs.start, cs.len);
+      float* r = rows(b);
+      if constexpr (kOut) {
+        const RowVector vecs[3] = {
+            {r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}, {r + 2 * kChunk, a.rstd_q, H, hk}};
+        cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+      } else {
+        const RowVector vecs[2] = {{r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}};
+        cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+      }
+      cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(w_slabs(b)),
+                                                   a.w + (cs.start * HV + hv) * K,
+                                                   int64_t{HV} * K, cs.len);
+      cp_async_tile_at<kChunk, V, kLoaders, false>(slab_at<kChunk>(u_slabs(b)),
+                                                   a.u + (cs.start * HV + hv) * V,
+                                                   int64_t{HV} * V, cs.len);
+      cp_async_commit();
+      cp_async_wait_all();
+      fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
+    };
+    copy_chunk(c_first, 0);
+    for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
+      __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c - 1
+      if (c < c_last) copy_chunk(c + 1, b ^ 1);
+    }
+    return;  // barrier 0 is not used after the last chunk opens
+  }
+  if constexpr (Regs::kRealloc) warpgroup_reg_alloc<Regs::kComputeRegs>();
+
+  unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
+  unsigned char* Vd = smem + Sm::oVd + wg * Sm::kSlab;
+  float S[K / 64][32];
+  const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg;
+  float* fin = a.final_state + state0;
+  // h[c] (this warpgroup's columns) = Sb with 16-byte stores, after a barrier that follows
+  // wg_write_sb
+  auto copy_sb_to_h = [&](int c) {
+    wg_copy_sb<K>(Sb, a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride + 64 * wg, V,
+                  threadIdx.x % 128);
+  };
+  wg_state_rw<K>(S, const_cast<float*>(a.h0) + state0, V, false, wq);
+  if (empty) {
+    wg_state_rw<K>(S, fin, V, true, wq);
+    if constexpr (!kOut) {
+      if (s == 0 && NC > 0 && a.clen[0] <= 0) {  // no used chunk: h is all zero
+        for (int c = 0; c < NC; ++c)  // warp w zeroes columns 16 w..
+          state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride, V);
+      }
+    }
+    return;
+  }
+
+  const int i0 = 16 * wq + g, i1 = i0 + 8;  // this thread's accumulator rows
+  for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
+    const ChunkSpan cs = chunk_span(a.cstart, a.clen, c, a.num_tokens);
+    const int len = cs.len, last = max(len - 1, 0);
+    __syncthreads();  // chunk c's inputs have landed; chunk c - 1 is done
+
+    const unsigned char* Ks = k_slabs(b);
+    const unsigned char* Ws = w_slabs(b);
+    const unsigned char* Us = u_slabs(b);
+    const float* rG = rows(b);  // rows >= len are zero
+    const float* rR = a.rstd != nullptr ? rG + kChunk : nullptr;
+    const float GC = rG[last];
+    float acc[32];
+    wg_load_slab64(acc, Us + wg * Sm::kSlab, wq);
+    wg_write_sb<K>(S, Sb, wq);
+    fence_proxy_async();
+    warpgroup_sync(wg);  // Sb complete
+
+    // product 1 (the chain) first; kOut: then Q S and this warpgroup's columns of Q K^T
+    [[maybe_unused]] float att[kOut ? kAttCols / 2 : 1], oacc[kOut ? 32 : 1];
+    if constexpr (kOut) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) oacc[i] = 0.f;
+#pragma unroll
+      for (int i = 0; i < kAttCols / 2; ++i) att[i] = 0.f;
+      wgmma_fence_operand(att);
+      wgmma_fence_operand(oacc);
+    }
+    wgmma_fence_operand(acc);
+    wgmma_fence();
+    wg_issue_product1<K>(acc, Ws, Sb);
+    wgmma_commit();
+    if constexpr (kOut) {
+      const unsigned char* Qs = q_slabs(b);
+#pragma unroll
+      for (int ks = 0; ks < K / 16; ++ks) {
+        const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
+        wgmma_m64k16_ss<64, false, true, 1>(oacc, sw128_desc(Qs + kk),
+                                            sw128_desc(Sb + 2048 * ks, K * 128), true);
+      }
+#pragma unroll
+      for (int ks = 0; ks < K / 16; ++ks) {  // B: k rows kAttCols wg.. (K-major, 128 B a row)
+        const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
+        wgmma_m64k16_ss<kAttCols, false, false, 1>(
+            att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+    } else {
+      copy_sb_to_h(c);  // h[c] = S (bf16), while the tensor cores run
+      wgmma_wait<0>();
+    }
+    wgmma_fence_operand(acc);
+    // v_new (kOut: Vn = bf16(v_new); tapes: to global, rows < len); Vd = bf16(d v_new)
+    const float d0 = walk_decay(i0, len, GC, rG, rR), d1 = walk_decay(i1, len, GC, rG, rR);
+    if constexpr (kOut) {
+      wg_store_slab<64>(acc, smem + Sm::oVn + wg * Sm::kSlab, wq);
+    } else {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = half ? i1 : i0;
+        if (t < len) {
+          bf16* vp = a.v_new + ((cs.start + t) * HV + hv) * V + 64 * wg + 2 * q;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            store2(vp + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+    wg_store_slab<64>(acc, Vd, wq, 0, d0, d1);
+    if constexpr (kOut) {
+      wgmma_wait<0>();
+      wgmma_fence_operand(att);
+      wgmma_fence_operand(oacc);
+      wg_gate_scores<kAttCols>(att, rG, wq, kAttCols * wg, last, rR);
+      wg_store_slab<kAttCols>(att, smem + Sm::oAtt, wq, kAttCols * wg);
+      fence_proxy_async();
+      compute_sync<kCompute>();  // Att, Vn, Vd complete
+      // o = e^G (Q S) + Att Vn (issued with the state update below)
+      const float eg0 = __expf(rG[min(i0, last)]), eg1 = __expf(rG[min(i1, last)]);
+      wg_scale_rows(oacc, eg0, eg1);
+    } else {
+      fence_proxy_async();
+      warpgroup_sync(wg);  // Vd complete
+    }
+
+    // S = e^{G_C} S + K^T Vd
+    wg_scale_state<K>(S, __expf(GC));
+    if constexpr (kOut) wgmma_fence_operand(oacc);
+    wgmma_fence();
+    if constexpr (kOut) {
+      const unsigned char* Vn = smem + Sm::oVn + wg * Sm::kSlab;
+#pragma unroll
+      for (int ks = 0; ks < kChunk / 16; ++ks)
+        wgmma_m64k16_ss<64, false, true, 1>(oacc, sw128_desc(smem + Sm::oAtt + 32 * ks),
+                                            sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
+    }
+    wg_issue_state_update<K>(S, Ks, Vd);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
+
+    if constexpr (kOut) {
+      wgmma_fence_operand(oacc);
+      const float* rQ = a.rstd_q != nullptr ? rG + 2 * kChunk : nullptr;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int t = half ? i1 : i0;
+        if (t < len) {
+          const float so = a.scale * (rQ != nullptr ? rQ[t] : 1.f);
+          Out* op = a.o + ((cs.start + t) * HV + hv) * V + 64 * wg + 2 * q;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+            store2(op + 8 * j, so * oacc[4 * j + 2 * half], so * oacc[4 * j + 2 * half + 1]);
+        }
+      }
+    }
+  }
+
+  wg_state_rw<K>(S, fin, V, true, wq);
+  if constexpr (!kOut) {
+    // The last used chunk's segment also fills the unused chunks' h with its exit state.
+    if (c_last + 1 < NC && a.clen[c_last + 1] <= 0) {
+      warpgroup_sync(wg);  // every warp of this warpgroup is done reading Sb
+      wg_write_sb<K>(S, Sb, wq);
+      warpgroup_sync(wg);
+      for (int c = c_last + 1; c < NC; ++c) copy_sb_to_h(c);
+    }
+  }
+}
+
+}  // namespace jax_cake_gdn
