@@ -37,7 +37,7 @@
 // are summed in a fixed order: the kernel is deterministic (no atomics).
 //
 // Where a stage has several blocks per warpgroup (K / 64 or V / 64 of them), their chains go out
-// as one batch before one wait (cb_begin_all / cb_end_all), not block by block.
+// as one batch before one wait (cb_batch), not block by block.
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
 // dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 207 KiB, 1 CTA /
 // SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
@@ -160,6 +160,21 @@ __device__ __forceinline__ void cb_tile_pos(int i, int& m0, int& n0) {
   const int t = (threadIdx.x >> 5) + kCbWarps * i;
   m0 = 16 * (t & 3);
   n0 = 32 * (t >> 2);
+}
+
+// One batch: issue(it, n0) puts the chains of block it (columns n0..) of every accumulator array
+// in flight, for each of this warp's N blocks, between one fence and one wait.
+template <int N, int... M, typename Issue>
+__device__ __forceinline__ void cb_batch(Issue&& issue, float (&acc)[N][4][4],
+                                         float (&... more)[M][4][4]) {
+  cb_begin_all(acc, more...);
+#pragma unroll
+  for (int it = 0; it < N; ++it) {
+    int m0, n0;
+    cb_tile_pos(it, m0, n0);
+    issue(it, n0);
+  }
+  cb_end_all(acc, more...);
 }
 
 // Element (nt, e) of a tile: row m0 + g + 8 (e / 2), column n0 + 8 nt + 2 q + (e % 2).
@@ -370,15 +385,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       zero_acc(a1[it]);
       zero_acc(a2[it]);
     }
-    cb_begin_all(a1, a2);
-#pragma unroll
-    for (int it = 0; it < V / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos(it, m0, n0);
-      cb_mma<K, false, false>(a1[it], Ks, DSs, n0);
-      cb_mma<kChunk, true, false>(a2[it], Att, DOs, n0);
-    }
-    cb_end_all(a1, a2);
+    cb_batch(
+        [&](int it, int n0) {
+          cb_mma<K, false, false>(a1[it], Ks, DSs, n0);
+          cb_mma<kChunk, true, false>(a2[it], Att, DOs, n0);
+        },
+        a1, a2);
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) {
       int m0, n0;
@@ -402,14 +414,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[K / 64][4][4];
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    cb_begin_all(acc);
-#pragma unroll
-    for (int it = 0; it < K / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos(it, m0, n0);
-      cb_mma<V, false, true, K>(acc[it], DOs, Hs, n0);
-    }
-    cb_end_all(acc);
+    cb_batch([&](int it, int n0) { cb_mma<V, false, true, K>(acc[it], DOs, Hs, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
@@ -428,14 +433,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       }
       cb_row_partial(s[0], s[1], pa, 4, m0, n0);
     }
-    cb_begin_all(acc);
-#pragma unroll
-    for (int it = 0; it < K / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos(it, m0, n0);
-      cb_mma<kChunk, false, false>(acc[it], DGm, Ks, n0);
-    }
-    cb_end_all(acc);
+    cb_batch([&](int it, int n0) { cb_mma<kChunk, false, false>(acc[it], DGm, Ks, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
@@ -457,14 +455,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   float dk[K / 64][4][4];
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) zero_acc(dk[it]);
-  cb_begin_all(dk);
-#pragma unroll
-  for (int it = 0; it < K / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    cb_mma<V, false, true, K>(dk[it], VNs, DSs, n0);
-  }
-  cb_end_all(dk);
+  cb_batch([&](int it, int n0) { cb_mma<V, false, true, K>(dk[it], VNs, DSs, n0); }, dk);
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
@@ -482,14 +473,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     }
     cb_row_partial(s[0], s[1], pb, 4, m0, n0);
   }
-  cb_begin_all(dk);
-#pragma unroll
-  for (int it = 0; it < K / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    cb_mma<kChunk, true, false>(dk[it], DGm, Qs, n0);
-  }
-  cb_end_all(dk);
+  cb_batch([&](int it, int n0) { cb_mma<kChunk, true, false>(dk[it], DGm, Qs, n0); }, dk);
   fence_proxy_async();
   __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
 
@@ -501,14 +485,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[K / 64][4][4];
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    cb_begin_all(acc);
-#pragma unroll
-    for (int it = 0; it < K / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos(it, m0, n0);
-      cb_mma<V, false, true, K>(acc[it], Du, Hs, n0);
-    }
-    cb_end_all(acc);
+    cb_batch([&](int it, int n0) { cb_mma<V, false, true, K>(acc[it], Du, Hs, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
@@ -555,14 +532,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[V / 64][4][4];
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) zero_acc(acc[it]);
-    cb_begin_all(acc);
-#pragma unroll
-    for (int it = 0; it < V / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos(it, m0, n0);
-      cb_mma<kChunk, true, false>(acc[it], As, Du, n0);
-    }
-    cb_end_all(acc);
+    cb_batch([&](int it, int n0) { cb_mma<kChunk, true, false>(acc[it], As, Du, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) {
       int m0, n0;
@@ -591,14 +561,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[K / 64][4][4];
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    cb_begin_all(acc);
-#pragma unroll
-    for (int it = 0; it < K / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos(it, m0, n0);
-      cb_mma<kChunk, true, false>(acc[it], As, Dw, n0);
-    }
-    cb_end_all(acc);
+    cb_batch([&](int it, int n0) { cb_mma<kChunk, true, false>(acc[it], As, Dw, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
@@ -672,15 +635,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   __syncthreads();  // dKK, M, partial sums complete
 
   // ---- stage 9: dK += dKK K + dKK^T K (global); per-row reductions
-  cb_begin_all(dk);
-#pragma unroll
-  for (int it = 0; it < K / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    cb_mma<kChunk, false, false>(dk[it], DKK, Ks, n0);
-    cb_mma<kChunk, true, false>(dk[it], DKK, Ks, n0);
-  }
-  cb_end_all(dk);
+  cb_batch(
+      [&](int it, int n0) {
+        cb_mma<kChunk, false, false>(dk[it], DKK, Ks, n0);
+        cb_mma<kChunk, true, false>(dk[it], DKK, Ks, n0);
+      },
+      dk);
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
