@@ -5,11 +5,12 @@
 
 For each (op, save mode) a child process runs the jitted op of `benchmarks.arms.build_jax_op` once
 under `ncu --metrics gpu__time_duration.sum` (inputs are rounded on the host and copied, and
-XLA's autotuner is off, so the op's own launches are the only kernels), and this process prints each launch in order with its
-device time, the kernel totals and their sum. Unlike `benchmarks.kernels` (wall clock per call,
-one dispatch each) this shows XLA's own fusions between the primitives and sums to the op's GPU
-time without launch gaps; unlike a timed run it serialises the launches (ncu), so use it to see
-where the time goes, never as a result to compare with peers. Needs ncu (PATH, CUDA_HOME/bin or
+XLA's autotuner is off, so the op's own launches are the only kernels), and this process prints
+each launch in order with its device time, the kernel totals and their sum. Unlike
+`benchmarks.kernels` (wall clock per call, one dispatch each) this shows XLA's own fusions between
+the primitives and sums to the op's GPU time without launch gaps; unlike a timed run it
+serialises the launches (ncu), so use it to see where the time goes, never as a result to compare
+with peers. Needs ncu (PATH, CUDA_HOME/bin or
 /opt/nvidia/nsight-compute/*/) and a GPU; `--out` writes the rows as JSON.
 """
 
