@@ -16,6 +16,7 @@ current with their quartiles (drift over the run cancels within a round; a quart
 holds 1.00 means no measured difference), and whether the two gave bit-identical outputs (else
 the largest difference relative to the baseline's largest magnitude). Each copy feeds a
 primitive its own intermediates, so below the first row that differs the inputs differ too.
+Rows pair by name; a row the baseline lacks is timed for the current copy alone.
 """
 
 from __future__ import annotations
@@ -121,8 +122,19 @@ def primitive_calls(wl, backend: str, lib=None):
     def out(q, k, G, h, vn, rq, rk, ct):
         return P.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=act)
 
-    def walk_out(q, k, w, u, G, h0, rq, rk, ct):
-        return P.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale, out_dtype=act)
+    if hasattr(P, "solve_a"):  # the light forward: solve_a, then walk_output from A
+        def walk_out(q, k, v, beta, A, G, h0, rq, rk, ct):
+            return P.walk_output(q, k, v, beta, A, G, h0, rq, rk, ct, scale=scale,
+                                 out_dtype=act)
+
+        light = [("fwd light: solve_a", jax.jit(P.solve_a), (k, beta, G, rk, ct)),
+                 ("fwd light: walk_output", jax.jit(walk_out),
+                  (q, k, v, beta, A, G, h0, rq, rk, ct))]
+    else:  # a baseline from before solve_a: prep's w, u into walk_output
+        def walk_out(q, k, w, u, G, h0, rq, rk, ct):
+            return P.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale, out_dtype=act)
+
+        light = [("fwd light: walk_output", jax.jit(walk_out), (q, k, w, u, G, h0, rq, rk, ct))]
 
     def wbwd(q, k, w, G, do, dfinal, rq, rk, ct):
         return P.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
@@ -138,8 +150,8 @@ def primitive_calls(wl, backend: str, lib=None):
         calls.append(("fwd: l2norm_rstd (q or k)", jax.jit(P.l2norm_rstd), (k,)))
     calls += [
         ("fwd: gate_cumsum", jax.jit(P.gate_cumsum), (g, ct)),
-        ("fwd: prep", jax.jit(P.prep), (k, v, beta, G, rk, ct)),
-        ("fwd light: walk_output", jax.jit(walk_out), (q, k, w, u, G, h0, rq, rk, ct)),
+        *light,
+        ("fwd full: prep", jax.jit(P.prep), (k, v, beta, G, rk, ct)),
         ("fwd full: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
         ("fwd full: output", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
         ("bwd light: wy (replay)", jax.jit(P.wy), (k, v, beta, G, A, rk, ct)),
@@ -194,7 +206,13 @@ def main(argv=None):
         print(f"[kernels] baseline {baseline.BASE} (revision {base_rev}): {args.calls} rounds "
               f"of current and baseline per row, alternating; base/current is the median "
               f"per-round ratio [quartiles]", flush=True)
-        for (name, fn, a), (_, fb, ab) in zip(cur, base):
+        base = {name: (fb, ab) for name, fb, ab in base}
+        for name, fn, a in cur:
+            if name not in base:  # a primitive the baseline does not have
+                rows[name] = _median_ms(fn, *a, calls=args.calls)
+                print(f"  {name:32s} {rows[name]:9.3f} ms  (not in the baseline)", flush=True)
+                continue
+            fb, ab = base[name]
             rows[name], base_rows[name], q = _paired_ms(fn, a, fb, ab, calls=args.calls)
             base_ratio[name] = q
             base_equal[name] = compare_outputs(fn(*a), fb(*ab))

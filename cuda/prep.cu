@@ -4,6 +4,7 @@
 //                                                                       w bf16[T, HV, K],
 //                                                                       u bf16[T, HV, V]
 //   jax_cake_gdn_wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len) -> w, u (from a given A)
+//   jax_cake_gdn_solve_a(k, beta, G, rstd_k, chunk_start, chunk_len) -> A (prep's, bit for bit)
 //
 // A, w and u are rounded to bf16 (nearest) when written: A and w are what every reader (wy,
 // chunk_bwd; the walks) uses as mma operands; u starts the walks' f32 product-1 accumulator
@@ -19,8 +20,9 @@
 namespace jax_cake_gdn {
 namespace {
 
-// k, v, beta, G, rstd_k and the chunk table of the prep and wy handlers; sets T, H, K, HV, V, NC.
-std::string check_wy_inputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+// k, v, beta, G, rstd_k and the chunk table of the prep, wy and solve_a handlers; sets T, H, K,
+// HV, V, NC. v == nullptr (solve_a): HV from beta, V = 0.
+std::string check_wy_inputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer* v,
                             const ffi::Buffer<ffi::F32>& beta, const ffi::Buffer<ffi::F32>& G,
                             const ffi::Buffer<ffi::F32>& rstd_k,
                             const ffi::Buffer<ffi::S32>& chunk_start,
@@ -30,14 +32,20 @@ std::string check_wy_inputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
   if (!m.empty()) return m;
   const auto kd = k.dimensions();
   T = kd[0], H = kd[1], K = kd[2];
-  const auto vd = v.dimensions();
-  if (!(vd.size() == 3 && vd[0] == T)) return "v must be [T, HV, V], got shape " + dims_str(vd);
-  if (v.element_type() != k.element_type())
-    return std::string("v must have k's dtype ") + dtype_name(k.element_type()) + ", got " +
-           dtype_name(v.element_type());
-  HV = vd[1], V = vd[2];
+  if (v != nullptr) {
+    const auto vd = v->dimensions();
+    if (!(vd.size() == 3 && vd[0] == T)) return "v must be [T, HV, V], got shape " + dims_str(vd);
+    if (v->element_type() != k.element_type())
+      return std::string("v must have k's dtype ") + dtype_name(k.element_type()) + ", got " +
+             dtype_name(v->element_type());
+    HV = vd[1], V = vd[2];
+    if (!(m = check_v(V)).empty()) return m;
+  } else {
+    const auto bd = beta.dimensions();
+    if (bd.size() != 2) return "beta must be f32[T, HV], got shape " + dims_str(bd);
+    HV = bd[1], V = 0;
+  }
   if (!(m = check_heads(H, HV)).empty()) return m;
-  if (!(m = check_v(V)).empty()) return m;
   if (!(m = check_th("beta", beta.dimensions(), T, HV)).empty()) return m;
   if (!(m = check_th("G", G.dimensions(), T, HV)).empty()) return m;
   if (!(m = check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rstd)).empty()) return m;
@@ -63,8 +71,8 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::ResultBuffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> u) {
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
-  JCG_CHECK_MSG(check_wy_inputs(k, v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV, V,
-                                NC, has_rstd));
+  JCG_CHECK_MSG(check_wy_inputs(k, &v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV,
+                                V, NC, has_rstd));
   JCG_CHECK_ARG(dims_are(A->dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A->dimensions()));
   JCG_CHECK_MSG(check_wu(w->dimensions(), u->dimensions(), T, HV, K, V));
@@ -108,8 +116,8 @@ ffi::Error wy_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    ffi::ResultBuffer<ffi::BF16> u) {
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
-  JCG_CHECK_MSG(check_wy_inputs(k, v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV, V,
-                                NC, has_rstd));
+  JCG_CHECK_MSG(check_wy_inputs(k, &v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV,
+                                V, NC, has_rstd));
   JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
   JCG_CHECK_MSG(check_wu(w->dimensions(), u->dimensions(), T, HV, K, V));
@@ -132,6 +140,45 @@ ffi::Error wy_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                    static_cast<bf16*>(w->untyped_data()),
                    static_cast<bf16*>(u->untyped_data()), T, static_cast<int>(H),
                    static_cast<int>(HV), static_cast<int>(V));
+    });
+  });
+  JCG_CHECK_CUDA(err);
+  return ffi::Error::Success();
+}
+
+#undef JCG_HANDLER_NAME
+#define JCG_HANDLER_NAME "jax_cake_gdn_solve_a"
+
+ffi::Error solve_a_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::F32> beta,
+                        ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> rstd_k,
+                        ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                        ffi::ResultBuffer<ffi::BF16> A) {
+  int64_t T, H, K, HV, V, NC;
+  bool has_rstd = false;
+  JCG_CHECK_MSG(check_wy_inputs(k, nullptr, beta, G, rstd_k, chunk_start, chunk_len, T, H, K,
+                                HV, V, NC, has_rstd));
+  JCG_CHECK_ARG(dims_are(A->dimensions(), {NC, HV, kChunk, kChunk}),
+                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A->dimensions()));
+
+  JCG_CHECK_CUDA(poison(stream, *A));
+  if (NC == 0 || HV == 0) return ffi::Error::Success();
+  cudaError_t err = cudaSuccess;
+  dispatch_float_type(k.element_type(), [&](auto tag) {
+    using In = typename decltype(tag)::type;
+    dispatch_head_dim(K, [&](auto kdim) {
+      constexpr int KD = decltype(kdim)::value;
+      err = cudaFuncSetAttribute(prep_kernel<In, KD, false>,
+                                 cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      if (err != cudaSuccess) return;
+      err = launch(prep_kernel<In, KD, false>, dim3(static_cast<unsigned>(NC * HV)),
+                   kPrepThreads, PrepSmem<KD, false>::bytes, stream,
+                   static_cast<const In*>(k.untyped_data()), static_cast<const In*>(nullptr),
+                   beta.typed_data(), G.typed_data(),
+                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                   chunk_start.typed_data(), chunk_len.typed_data(),
+                   static_cast<bf16*>(A->untyped_data()), static_cast<bf16*>(nullptr),
+                   static_cast<bf16*>(nullptr), T, static_cast<int>(H), static_cast<int>(HV), 0);
     });
   });
   JCG_CHECK_CUDA(err);
@@ -171,4 +218,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_wy, jax_cake_gdn::wy_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // u
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_solve_a, jax_cake_gdn::solve_a_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // A
                               {xla::ffi::Traits::kCmdBufferCompatible});

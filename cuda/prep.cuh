@@ -4,6 +4,7 @@
 //   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A bf16[NC, HV, 64, 64]
 //          w = A diag(beta e^G) K -> bf16[T, HV, K],  u = A diag(beta) V -> bf16[T, HV, V]
 //   wy:    w and u from a given A (the light backward's replay reads the saved A)
+//   solve_a: A only (prep_kernel with kWU = false; the light forward's walk makes w, u itself)
 //
 // k (normalised by rstd_k when given) and v are rounded to bf16 in shared memory; K K^T, A Kb and
 // A Vb run on tensor cores (mma.sync m16n8k16, f32 accumulate; warp w owns rows 16w..16w+15).
@@ -187,7 +188,8 @@ __device__ __forceinline__ void store_c16(float* p, int ld, const float (&c)[2][
   }
 }
 
-template <int K>
+// kWU = false (solve_a): no v tile (Ks only stages the raw k).
+template <int K, bool kWU = true>
 struct PrepSmem {
   static constexpr int KP = K + 8;   // bf16 pitch of the rstd-scaled k tile (K K^T)
   static constexpr int AP = 72;      // f32 pitch of A (float2 fragment loads conflict free)
@@ -195,7 +197,7 @@ struct PrepSmem {
   static constexpr size_t kAf = size_t{kChunk} * AP * sizeof(float);
   static constexpr size_t kA = kKr > kAf ? kKr : kAf;  // the k tile, then A (after K K^T)
   static constexpr size_t kX = WySmem::kX;
-  static constexpr size_t bytes = kA + 2 * kX + 2 * kChunk * sizeof(float);
+  static constexpr size_t bytes = kA + (kWU ? 2 : 1) * kX + 2 * kChunk * sizeof(float);
   // 4 CTAs/SM: 228 KB per SM, 1 KB reserved per CTA
   static_assert(4 * (bytes + 1024) <= 228 * 1024, "prep no longer fits 4 CTAs/SM");
 };
@@ -242,8 +244,8 @@ __device__ __forceinline__ void prep_write_a(bf16* __restrict__ out, const float
 // shared stores).
 
 // Per-row k scales of this thread's k chunks (TilePieces rows, clamped): rs = rstd,
-// ks = beta e^G rstd, evaluated as in wy_load_tiles.
-template <int K>
+// ks = beta e^G rstd (kWU only), evaluated as in wy_load_tiles.
+template <int K, bool kWU>
 struct PrepKScales {
   using P = TilePieces<kChunk, K, kPrepThreads>;
   static constexpr int kPer = P::kPer;
@@ -254,16 +256,16 @@ struct PrepKScales {
     for (int j = 0; j < kPer; ++j) {
       const int t = min(P::row0() + j * P::kRowStep, len - 1);
       rs[j] = r(t);
-      ks[j] = __ldg(bt + t * HV) * __expf(__ldg(gt + t * HV)) * rs[j];
+      if constexpr (kWU) ks[j] = __ldg(bt + t * HV) * __expf(__ldg(gt + t * HV)) * rs[j];
     }
   }
 };
 
-// bf16: this thread's raw k chunks in Ks (its cp.async group done) -> Kr and Ks (in place).
-template <int K>
+// bf16: this thread's raw k chunks in Ks (its cp.async group done) -> Kr and (kWU) Ks, in place.
+template <int K, bool kWU>
 __device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
-                                              const PrepKScales<K>& sc, int len) {
-  using P = typename PrepKScales<K>::P;
+                                              const PrepKScales<K, kWU>& sc, int len) {
+  using P = typename PrepKScales<K, kWU>::P;
 #pragma unroll
   for (int j = 0; j < P::kPer; ++j) {
     const int t = P::row0() + j * P::kRowStep, c8 = P::col();
@@ -271,7 +273,7 @@ __device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
       float f[8];
       lds8(Ks + t * kWyXP + c8, f);
       sts8_bf16(Kr + t * kp + c8, f, sc.rs[j]);
-      sts8_bf16(Ks + t * kWyXP + c8, f, sc.ks[j]);
+      if constexpr (kWU) sts8_bf16(Ks + t * kWyXP + c8, f, sc.ks[j]);
     } else {
       sts8_zero(Kr + t * kp + c8);  // Ks: zero-filled by cp.async
     }
@@ -279,9 +281,9 @@ __device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
 }
 
 
-// f32: k rows -> Kr and Ks through registers, NB chunks per thread in flight (load_tile_bf16's
-// batching); then v as in wy_load_tiles.
-template <int K>
+// f32: k rows -> Kr and (kWU) Ks through registers, NB chunks per thread in flight
+// (load_tile_bf16's batching).
+template <int K, bool kWU>
 __device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, const float* src,
                                                 int64_t row_stride, int len, const float* bt,
                                                 const float* gt, const ScaleRstd& r, int HV) {
@@ -297,23 +299,25 @@ __device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, cons
       const int tt = min(t0 + (b0 + j) * P::kRowStep, len - 1);
       load8(src + tt * row_stride + c8, f[j]);
       rs[j] = r(tt);
-      ks[j] = __ldg(bt + tt * HV) * __expf(__ldg(gt + tt * HV)) * rs[j];
+      if constexpr (kWU) ks[j] = __ldg(bt + tt * HV) * __expf(__ldg(gt + tt * HV)) * rs[j];
     }
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
       const int t = t0 + (b0 + j) * P::kRowStep;
       if (t < len) {
         sts8_bf16(Kr + t * kp + c8, f[j], rs[j]);
-        sts8_bf16(Ks + t * kWyXP + c8, f[j], ks[j]);
+        if constexpr (kWU) sts8_bf16(Ks + t * kWyXP + c8, f[j], ks[j]);
       } else {
         sts8_zero(Kr + t * kp + c8);
-        sts8_zero(Ks + t * kWyXP + c8);
+        if constexpr (kWU) sts8_zero(Ks + t * kWyXP + c8);
       }
     }
   }
 }
 
-template <typename In, int K>
+// kWU = false (solve_a): A only; v, w, u unused (may be null), V ignored. A is the same either
+// way (the same code up to prep_write_a).
+template <typename In, int K, bool kWU = true>
 __global__ void __launch_bounds__(kPrepThreads, 4)
     prep_kernel(const In* __restrict__ k, const In* __restrict__ v,
                 const float* __restrict__ beta, const float* __restrict__ G,
@@ -321,14 +325,15 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
                 const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                 bf16* __restrict__ A, bf16* __restrict__ w, bf16* __restrict__ u,
                 int64_t num_tokens, int H, int HV, int V) {
-  using Sm = PrepSmem<K>;
+  using Sm = PrepSmem<K, kWU>;
   constexpr int KP = Sm::KP, AP = Sm::AP;
   extern __shared__ __align__(16) unsigned char smem[];
   bf16* Kr = reinterpret_cast<bf16*>(smem);  // k diag(rstd), until K K^T is done
   float* As = reinterpret_cast<float*>(smem);  // then A (f32)
   bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::kA);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + Sm::kA + Sm::kX);
-  float* sb = reinterpret_cast<float*>(smem + Sm::kA + 2 * Sm::kX);  // beta (0 on padding rows)
+  bf16* Vs = reinterpret_cast<bf16*>(smem + Sm::kA + Sm::kX);  // kWU only
+  // beta (0 on padding rows)
+  float* sb = reinterpret_cast<float*>(smem + Sm::kA + (kWU ? 2 : 1) * Sm::kX);
   float* sg = sb + kChunk;  // G (G of the last row on padding rows)
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
@@ -351,10 +356,12 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   if constexpr (kAsync) {
     cp_async_tile<kChunk, K, kPrepThreads>(Ks, kWyXP, ksrc, int64_t{H} * K, len);
     cp_async_commit();
-    if (V == 64) {
-      cp_async_tile<kChunk, 64, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
-    } else {
-      cp_async_tile<kChunk, 128, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
+    if constexpr (kWU) {
+      if (V == 64) {
+        cp_async_tile<kChunk, 64, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
+      } else {
+        cp_async_tile<kChunk, 128, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len);
+      }
     }
     cp_async_commit();
   }
@@ -364,18 +371,20 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
     sb[t] = t < len ? beta[(cs.start + t) * HV + hv] : 0.f;
   }
   if constexpr (kAsync) {
-    PrepKScales<K> sc;
+    PrepKScales<K, kWU> sc;
     sc.load(bt, gt, rs, len, HV);
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's k chunks
-    prep_k_finish<K>(Kr, KP, Ks, sc, len);
+    prep_k_finish<K, kWU>(Kr, KP, Ks, sc, len);
   } else {
-    prep_load_k_f32<K>(Kr, KP, Ks, reinterpret_cast<const float*>(ksrc), int64_t{H} * K, len,
-                       bt, gt, rs, HV);
-    const auto sv = [&](int t) { return __ldg(bt + t * HV); };
-    if (V == 64) {
-      load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len, sv);
-    } else {
-      load_tile_bf16<kChunk, 128, 8, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len, sv);
+    prep_load_k_f32<K, kWU>(Kr, KP, Ks, reinterpret_cast<const float*>(ksrc), int64_t{H} * K,
+                            len, bt, gt, rs, HV);
+    if constexpr (kWU) {
+      const auto sv = [&](int t) { return __ldg(bt + t * HV); };
+      if (V == 64) {
+        load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len, sv);
+      } else {
+        load_tile_bf16<kChunk, 128, 8, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len, sv);
+      }
     }
   }
   __syncthreads();
@@ -450,7 +459,7 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
   __syncwarp();
   uint32_t dhi[4], dlo[4];  // A_ww, split
   split_a(Aww, AP, dhi, dlo);
-  if constexpr (kAsync) {  // v diag(beta), this thread's chunks (read by wy_store after barriers)
+  if constexpr (kAsync && kWU) {  // v diag(beta), this thread's chunks (read by wy_store later)
     cp_async_wait_all();
     if (V == 64) {
       scale_tile_bf16<kChunk, 64, kPrepThreads>(Vs, kWyXP, len, sb);
@@ -478,21 +487,25 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
     __syncthreads();
   }
 
-  // A out (bf16), and as bf16 A fragments (the values wy reads back) for w and u.
-  uint32_t a[4][4];
+  if constexpr (!kWU) {
+    prep_write_a(Aout, As, AP);
+  } else {
+    // A out (bf16), and as bf16 A fragments (the values wy reads back) for w and u.
+    uint32_t a[4][4];
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
+    for (int ks = 0; ks < 4; ++ks) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      float2 x = make_float2(0.f, 0.f);
-      if (ks <= warp)
-        x = *reinterpret_cast<const float2*>(As + (16 * warp + g + 8 * (r & 1)) * AP + 16 * ks +
-                                             8 * (r >> 1) + 2 * q);
-      a[ks][r] = pack_bf16(x.x, x.y);
+      for (int r = 0; r < 4; ++r) {
+        float2 x = make_float2(0.f, 0.f);
+        if (ks <= warp)
+          x = *reinterpret_cast<const float2*>(As + (16 * warp + g + 8 * (r & 1)) * AP +
+                                               16 * ks + 8 * (r >> 1) + 2 * q);
+        a[ks][r] = pack_bf16(x.x, x.y);
+      }
     }
+    prep_write_a(Aout, As, AP);
+    wy_store(a, Ks, Vs, w, u, cs, hv, HV, K, V);
   }
-  prep_write_a(Aout, As, AP);
-  wy_store(a, Ks, Vs, w, u, cs, hv, HV, K, V);
 }
 
 }  // namespace jax_cake_gdn

@@ -10,12 +10,13 @@
 // v_new are bf16: the f32 values rounded to nearest, the operands their readers (output,
 // chunk_bwd) used to round them to themselves; the walk itself carries the state in f32.
 //
-//   jax_cake_gdn_walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
-//                            seg_last, seg_len; scale) -> o [T, HV, V] (bf16 or f32, the result
-//                                                        type chooses), final f32[S, HV, K, V]
+//   jax_cake_gdn_walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
+//                            seg_first, seg_last, seg_len; scale) -> o [T, HV, V] (bf16 or f32,
+//                            the result type chooses), final f32[S, HV, K, V]
 //
-// The light forward's walk: o = output(state_walk(...)) with h and v_new kept on chip. q, k: same
-// shape and dtype; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch (both): one CTA of
+// The light forward's walk: o = output(state_walk(...)) with w, u made on chip from A bf16[NC,
+// HV, 64, 64] (solve_a's) and h, v_new kept there. q, k, v: same dtype (v [T, HV, V]); beta
+// f32[T, HV]; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch (both): one CTA of
 // V / 64 compute warpgroups and a producer warpgroup per (segment, value head), grid S x HV
 // (segment-major, in the table's segment order).
 #include "fwd_args.cuh"
@@ -25,6 +26,34 @@
 
 namespace jax_cake_gdn {
 namespace {
+
+// The operands both handlers set alike (the others stay null).
+template <typename In, typename Out>
+WalkFwdArgs<In, Out> walk_args(const ffi::AnyBuffer& k, const ffi::Buffer<ffi::F32>& G,
+                               const ffi::Buffer<ffi::F32>& h0, const float* rstd_k,
+                               const ffi::Buffer<ffi::S32>& chunk_start,
+                               const ffi::Buffer<ffi::S32>& chunk_len,
+                               const ffi::Buffer<ffi::S32>& seg_first,
+                               const ffi::Buffer<ffi::S32>& seg_last,
+                               const ffi::Buffer<ffi::S32>& seg_len, float* final_state,
+                               int64_t T, int64_t H, int64_t HV, int64_t NC) {
+  WalkFwdArgs<In, Out> a{};
+  a.k = static_cast<const In*>(k.untyped_data());
+  a.G = G.typed_data();
+  a.h0 = h0.typed_data();
+  a.rstd = rstd_k;
+  a.cstart = chunk_start.typed_data();
+  a.clen = chunk_len.typed_data();
+  a.seg_first = seg_first.typed_data();
+  a.seg_last = seg_last.typed_data();
+  a.seg_len = seg_len.typed_data();
+  a.final_state = final_state;
+  a.num_tokens = T;
+  a.H = static_cast<int>(H);
+  a.HV = static_cast<int>(HV);
+  a.NC = static_cast<int>(NC);
+  return a;
+}
 
 ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::BF16> w,
                            ffi::Buffer<ffi::BF16> u, ffi::Buffer<ffi::F32> G,
@@ -73,25 +102,13 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
       constexpr int KD = decltype(kdim)::value;
       dispatch_head_dim(V, [&](auto vdim) {  // one CTA covers all V columns
         constexpr int VT = decltype(vdim)::value;
-        WalkFwdArgs<In, bf16> a{};
-        a.k = static_cast<const In*>(k.untyped_data());
+        auto a = walk_args<In, bf16>(k, G, h0, has_rstd ? rstd_k.typed_data() : nullptr,
+                                     chunk_start, chunk_len, seg_first, seg_last, seg_len,
+                                     final_state->typed_data(), T, H, HV, NC);
         a.w = static_cast<const bf16*>(w.untyped_data());
         a.u = static_cast<const bf16*>(u.untyped_data());
-        a.G = G.typed_data();
-        a.h0 = h0.typed_data();
-        a.rstd = has_rstd ? rstd_k.typed_data() : nullptr;
-        a.cstart = chunk_start.typed_data();
-        a.clen = chunk_len.typed_data();
-        a.seg_first = seg_first.typed_data();
-        a.seg_last = seg_last.typed_data();
-        a.seg_len = seg_len.typed_data();
         a.h = static_cast<bf16*>(h->untyped_data());
         a.v_new = static_cast<bf16*>(v_new->untyped_data());
-        a.final_state = final_state->typed_data();
-        a.num_tokens = T;
-        a.H = static_cast<int>(H);
-        a.HV = static_cast<int>(HV);
-        a.NC = static_cast<int>(NC);
         const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
         err = launch(walk_fwd_wg_kernel<false, In, bf16, KD, VT>, grid,
                      walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<false, KD, VT>::bytes, stream, a);
@@ -131,7 +148,7 @@ namespace jax_cake_gdn {
 namespace {
 
 ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::BF16> u,
+                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::BF16> A,
                             ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
                             ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                             ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
@@ -147,20 +164,23 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   JCG_CHECK_ARG(k.element_type() == q.element_type(),
                 std::string("k must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
                     dtype_name(k.element_type()));
-  const auto ud = u.dimensions();
-  JCG_CHECK_ARG(ud.size() == 3 && ud[0] == T,
-                "u must be bf16[T, HV, V], got shape " + dims_str(ud));
-  const int64_t HV = ud[1], V = ud[2];
+  const auto vd = v.dimensions();
+  JCG_CHECK_ARG(vd.size() == 3 && vd[0] == T, "v must be [T, HV, V], got shape " + dims_str(vd));
+  JCG_CHECK_ARG(v.element_type() == q.element_type(),
+                std::string("v must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
+                    dtype_name(v.element_type()));
+  const int64_t HV = vd[1], V = vd[2];
   JCG_CHECK_MSG(check_heads(H, HV));
   JCG_CHECK_MSG(check_v(V));
-  JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
-                "w must be bf16[T, HV, K], got shape " + dims_str(w.dimensions()));
+  JCG_CHECK_MSG(check_th("beta", beta.dimensions(), T, HV));
   JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
   bool has_rq = false, has_rk = false;
   JCG_CHECK_MSG(check_rstd("rstd_q", rstd_q.dimensions(), T, H, has_rq));
   JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rk));
   JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
   const int64_t NC = chunk_start.dimensions()[0];
+  JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
+                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
                                seg_len.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
@@ -186,26 +206,15 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
         constexpr int KD = decltype(kdim)::value;
         dispatch_head_dim(V, [&](auto vdim) {  // one CTA covers all V columns
           constexpr int VT = decltype(vdim)::value;
-          WalkFwdArgs<In, Out> a{};
+          auto a = walk_args<In, Out>(k, G, h0, has_rk ? rstd_k.typed_data() : nullptr,
+                                      chunk_start, chunk_len, seg_first, seg_last, seg_len,
+                                      final_state->typed_data(), T, H, HV, NC);
           a.q = static_cast<const In*>(q.untyped_data());
-          a.k = static_cast<const In*>(k.untyped_data());
-          a.w = static_cast<const bf16*>(w.untyped_data());
-          a.u = static_cast<const bf16*>(u.untyped_data());
-          a.G = G.typed_data();
-          a.h0 = h0.typed_data();
+          a.v = static_cast<const In*>(v.untyped_data());
+          a.beta = beta.typed_data();
+          a.A = static_cast<const bf16*>(A.untyped_data());
           a.rstd_q = has_rq ? rstd_q.typed_data() : nullptr;
-          a.rstd = has_rk ? rstd_k.typed_data() : nullptr;
-          a.cstart = chunk_start.typed_data();
-          a.clen = chunk_len.typed_data();
-          a.seg_first = seg_first.typed_data();
-          a.seg_last = seg_last.typed_data();
-          a.seg_len = seg_len.typed_data();
           a.o = static_cast<Out*>(o->untyped_data());
-          a.final_state = final_state->typed_data();
-          a.num_tokens = T;
-          a.H = static_cast<int>(H);
-          a.HV = static_cast<int>(HV);
-          a.NC = static_cast<int>(NC);
           a.scale = scale;
           const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
           err = launch(walk_fwd_wg_kernel<true, In, Out, KD, VT>, grid,
@@ -226,8 +235,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output, jax_cake_gdn::walk_outpu
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()              // q
                                   .Arg<xla::ffi::AnyBuffer>()              // k
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // u
+                                  .Arg<xla::ffi::AnyBuffer>()              // v
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q

@@ -2,7 +2,7 @@
 //   kOut = false, the state walk (DESIGN.md section 1): writes the h tape, v_new and the final
 //     state;
 //   kOut = true, the light forward's fused walk + output: writes o and the final state (neither
-//     h nor v_new leaves the chip).
+//     h nor v_new leaves the chip), and reads A instead of w, u (it makes them on chip).
 // Per segment and value head, walk the segment's chunks in order:
 //
 //   h[c] = S;   v_new = u - w S;   S <- e^{G_C} S + k^T diag(d) v_new,  d_t = r_t e^{G_C - G_t}
@@ -30,15 +30,22 @@
 // rounds other operands than the output kernel (which takes bf16(q rq), bf16(k r)), so o agrees
 // with state_walk + output to bf16 rounding.
 // Every input of chunk c + 1 (k, w, u, rows G / rstd; kOut: q, rstd_q) is double-buffered by
-// chunk parity and copied by the producer warpgroup (after the compute warpgroups) while the
+// chunk parity and made by the producer warpgroup (after the compute warpgroups) while the
 // compute warps work on chunk c: it issues the cp.async pieces, waits for them and fences them
 // before it arrives at the barrier that opens chunk c + 1, so the compute warps issue no copies.
-// Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56, the compute warpgroups take
-// the rest (V = 128: 168 a thread at launch, compute 224; tapes at V = 64: 2 CTAs per SM, 128 at
-// launch, compute 200; kOut at V = 64: 1 CTA per SM, no reallocation).
+// The tapes mode copies w and u. kOut makes them (prep's w, u up to bf16 rounding; prep.cuh):
+//   A_u = bf16(A diag(beta)),  A_w = bf16(A diag(beta e^G r))   (A bf16 from solve_a / prep)
+//   u = A_u V,  w = A_w K   (m64n64 wgmma blocks, f32 accumulate, rounded to bf16 into the slabs)
+// with v landing in the u slabs (each 64-column block of u overwrites the v columns it read) and
+// k in its own slabs (the compute warps read it as they are). A diag(.) rounds where prep rounds
+// K diag(.), so o agrees with a walk on prep's w, u to about one bf16 rounding.
+// Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut: 80, for its 32-register
+// wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at launch,
+// compute 224, kOut 208; tapes at V = 64: 2 CTAs per SM, 128 at launch, compute 200; kOut at
+// V = 64: 1 CTA per SM, no reallocation).
 // Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Sb 2 x 16 KB, Vd 2 x 8 KB,
 // rows 2 x 512 B, + 1 KB alignment: 146 KB (tapes); kOut adds q 2 x 16 KB, Vn 2 x 8 KB, Att
-// 8 KB and rstd_q rows: 203 KB. One CTA of 12 warps per SM.
+// 8 KB, A_u and A_w 8 KB each, rstd_q and beta rows: 219 KB. One CTA of 12 warps per SM.
 #pragma once
 
 #include <type_traits>
@@ -47,11 +54,15 @@
 
 namespace jax_cake_gdn {
 
-// Operands of walk_fwd_wg_kernel. q, rstd_q, o, scale: kOut only; h, v_new: tapes only.
+// Operands of walk_fwd_wg_kernel. q, v, beta, A, rstd_q, o, scale: kOut only; w, u, h, v_new:
+// tapes only.
 template <typename In, typename Out>
 struct WalkFwdArgs {
   const In* q;
   const In* k;
+  const In* v;
+  const float* beta;
+  const bf16* A;
   const bf16* w;
   const bf16* u;
   const float* G;
@@ -77,7 +88,8 @@ struct WalkFwdWgSmem {
   static constexpr int kWarpgroups = V / 64;  // compute warpgroups
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  static constexpr size_t kRows = (kOut ? 3 : 2) * kChunk * sizeof(float);  // G, rstd, rstd_q
+  // G, rstd; kOut: rstd_q, beta
+  static constexpr size_t kRows = (kOut ? 4 : 2) * kChunk * sizeof(float);
   static constexpr size_t oK = 0;                                        // 2 buffers
   static constexpr size_t oWs = oK + 2 * kTok;                           // 2 buffers
   static constexpr size_t oUs = oWs + 2 * kTok;  // 2 buffers of V / 64 slabs [token][v]
@@ -86,7 +98,9 @@ struct WalkFwdWgSmem {
   static constexpr size_t oQ = oVd + kWarpgroups * kSlab;                // kOut: 2 buffers
   static constexpr size_t oVn = oQ + (kOut ? 2 * kTok : 0);              // kOut: per warpgroup
   static constexpr size_t oAtt = oVn + (kOut ? kWarpgroups * kSlab : 0);  // kOut: [i][j]
-  static constexpr size_t oRows = oAtt + (kOut ? kSlab : 0);             // 2 buffers
+  static constexpr size_t oAu = oAtt + (kOut ? kSlab : 0);  // kOut: A_u, then A_w (producer)
+  static constexpr size_t oAw = oAu + (kOut ? kSlab : 0);
+  static constexpr size_t oRows = oAw + (kOut ? kSlab : 0);              // 2 buffers
   static constexpr size_t bytes = oRows + 2 * kRows + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_fwd_wg: shared memory over the sm_90 limit");
 };
@@ -103,14 +117,14 @@ constexpr int walk_fwd_wg_ctas() {
   return !kOut && V == 64 ? 2 : 1;
 }
 
-// setmaxnreg targets (a multiple of 8 each): the producer's 56 and the compute warpgroups' share
-// of the rest of the launch allocation; none when the launch allows 255 already.
+// setmaxnreg targets (a multiple of 8 each): the producer's 56 (kOut 80) and the compute
+// warpgroups' share of the rest of the launch allocation; none when the launch allows 255 already.
 template <bool kOut, int V>
 struct WalkFwdWgRegs {
   static constexpr int kThreads = walk_fwd_wg_threads<V>(), kWarpgroups = V / 64;
   static constexpr int kLaunch = 65536 / (kThreads * walk_fwd_wg_ctas<kOut, V>()) / 8 * 8;
   static constexpr bool kRealloc = kLaunch < 255;
-  static constexpr int kProducerRegs = 56;
+  static constexpr int kProducerRegs = kOut ? 80 : 56;
   static constexpr int kComputeRegs =
       ((kWarpgroups + 1) * kLaunch - kProducerRegs) / kWarpgroups / 8 * 8;
   static_assert(!kRealloc || (kComputeRegs >= kLaunch && kComputeRegs <= 256),
@@ -164,27 +178,107 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
                                                   max(len, 1), ScaleOne{});
       }
     };
+    // kOut: out = A_s X as bf16 slabs, one 64-column slab at a time (D columns; A_s: A_u or A_w,
+    // one K-major slab; X: [64 tokens][D] slabs, MN-major B). out may be X itself: a slab is
+    // read only by its own product, and every warp's part of it is done before the store.
+    [[maybe_unused]] auto wu_product = [&](const unsigned char* As, const unsigned char* X,
+                                           unsigned char* out, int D) {
+#pragma unroll 1
+      for (int n = 0; n < D / 64; ++n) {
+        float acc[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+        wgmma_fence_operand(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks)
+          wgmma_m64k16_ss<64, false, true, 1>(
+              acc, sw128_desc(As + 32 * ks), sw128_desc(X + n * Sm::kSlab + 2048 * ks), true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(acc);
+        producer_sync();
+        wg_store_slab<64>(acc, out + n * Sm::kSlab, wq);
+      }
+    };
     auto copy_chunk = [&](int c, int b) {
       const ChunkSpan cs = chunk_span(a.cstart, a.clen, c, a.num_tokens);
-      if constexpr (kOut) copy_qk(a.q, q_slabs(b), cs.start, cs.len);
-      copy_qk(a.k, k_slabs(b), cs.start, cs.len);
       float* r = rows(b);
-      if constexpr (kOut) {
-        const RowVector vecs[3] = {
-            {r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}, {r + 2 * kChunk, a.rstd_q, H, hk}};
+      if constexpr (kOut) {  // group 1: rows, A (into A_u), v (into the u slabs); 2: q, k
+        const RowVector vecs[4] = {{r, a.G, HV, hv},
+                                   {r + kChunk, a.rstd, H, hk},
+                                   {r + 2 * kChunk, a.rstd_q, H, hk},
+                                   {r + 3 * kChunk, a.beta, HV, hv}};
         cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+        unsigned char* Au = smem + Sm::oAu;
+        unsigned char* Aw = smem + Sm::oAw;
+        cp_async_tile_at<kChunk, kChunk, kLoaders, false>(
+            slab_at<kChunk>(Au), a.A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk),
+            kChunk, kChunk);
+        const In* vsrc = a.v + (cs.start * HV + hv) * V;
+        if constexpr (std::is_same_v<In, bf16>) {
+          cp_async_tile_at<kChunk, V, kLoaders, false>(slab_at<kChunk>(u_slabs(b)), vsrc,
+                                                       int64_t{HV} * V, cs.len);
+        } else {
+          load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)), vsrc,
+                                                    int64_t{HV} * V, max(cs.len, 1),
+                                                    ScaleOne{});
+        }
+        cp_async_commit();
+        copy_qk(a.q, q_slabs(b), cs.start, cs.len);
+        copy_qk(a.k, k_slabs(b), cs.start, cs.len);
+        cp_async_commit();
+        cp_async_wait<1>();
+        producer_sync();  // rows, A, v
+        {  // A_u = bf16(A diag(beta)) in place, A_w = bf16(A diag(beta e^G r))
+          using P = TilePieces<kChunk, kChunk, kLoaders>;
+          const int c8 = P::col();
+          const float* rB = r + 3 * kChunk;
+          float fw[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int j = c8 + e;
+            fw[e] = rB[j] * __expf(r[j]) * (a.rstd != nullptr ? r[kChunk + j] : 1.f);
+          }
+#pragma unroll 1
+          for (int p = 0; p < P::kPer; ++p) {
+            const uint32_t off = sw128_offset(P::row0() + p * P::kRowStep, c8);
+            float f[8], fu[8];
+            lds8(reinterpret_cast<const bf16*>(Au + off), f);
+            lds8(rB + c8, fu);
+            uint4 xu, xw;
+            xu.x = pack_bf16(f[0] * fu[0], f[1] * fu[1]);
+            xu.y = pack_bf16(f[2] * fu[2], f[3] * fu[3]);
+            xu.z = pack_bf16(f[4] * fu[4], f[5] * fu[5]);
+            xu.w = pack_bf16(f[6] * fu[6], f[7] * fu[7]);
+            xw.x = pack_bf16(f[0] * fw[0], f[1] * fw[1]);
+            xw.y = pack_bf16(f[2] * fw[2], f[3] * fw[3]);
+            xw.z = pack_bf16(f[4] * fw[4], f[5] * fw[5]);
+            xw.w = pack_bf16(f[6] * fw[6], f[7] * fw[7]);
+            *reinterpret_cast<uint4*>(Au + off) = xu;
+            *reinterpret_cast<uint4*>(Aw + off) = xw;
+          }
+        }
+        fence_proxy_async();
+        producer_sync();  // A_u, A_w, v in the u slabs
+        wu_product(Au, u_slabs(b), u_slabs(b), V);
+        cp_async_wait<0>();
+        fence_proxy_async();
+        producer_sync();  // k
+        wu_product(Aw, k_slabs(b), w_slabs(b), K);
       } else {
+        copy_qk(a.k, k_slabs(b), cs.start, cs.len);
         const RowVector vecs[2] = {{r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}};
         cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(w_slabs(b)),
+                                                     a.w + (cs.start * HV + hv) * K,
+                                                     int64_t{HV} * K, cs.len);
+        cp_async_tile_at<kChunk, V, kLoaders, false>(slab_at<kChunk>(u_slabs(b)),
+                                                     a.u + (cs.start * HV + hv) * V,
+                                                     int64_t{HV} * V, cs.len);
+        cp_async_commit();
+        cp_async_wait_all();
       }
-      cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(w_slabs(b)),
-                                                   a.w + (cs.start * HV + hv) * K,
-                                                   int64_t{HV} * K, cs.len);
-      cp_async_tile_at<kChunk, V, kLoaders, false>(slab_at<kChunk>(u_slabs(b)),
-                                                   a.u + (cs.start * HV + hv) * V,
-                                                   int64_t{HV} * V, cs.len);
-      cp_async_commit();
-      cp_async_wait_all();
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
     };
     copy_chunk(c_first, 0);

@@ -38,13 +38,14 @@ def _forward(cfg: _Config, q, k, v, g, beta, h0, ct: ChunkTable):
     rq = P.l2norm_rstd(q) if cfg.qk_l2norm else None
     rk = P.l2norm_rstd(k) if cfg.qk_l2norm else None
     G = P.gate_cumsum(g, ct)
-    A, w, u = P.prep(k, v, beta, G, rk, ct)
     full = cfg.save_mode == "full"
-    if cfg.with_output and not full:  # light: h and v_new are not kept, the walk emits o itself
-        o, final = P.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=cfg.scale,
+    if cfg.with_output and not full:  # light: only A is kept; the walk makes w, u and emits o
+        A = P.solve_a(k, beta, G, rk, ct)
+        o, final = P.walk_output(q, k, v, beta, A, G, h0, rq, rk, ct, scale=cfg.scale,
                                  out_dtype=v.dtype)
         scores = None
     else:
+        A, w, u = P.prep(k, v, beta, G, rk, ct)
         h, v_new, final = P.state_walk(k, w, u, G, h0, rk, ct)
         if cfg.with_output:
             o, scores = P.output(q, k, G, h, v_new, rq, rk, ct, scale=cfg.scale,
@@ -184,10 +185,10 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         and the state walk in the backward; "full" also keeps w, u, the h tape, v_new and the
         intra-chunk scores (bfloat16 on the cuda backend, float32 on xla; see
         `saved_layout`). Both give bitwise-equal gradients. On the cuda backend the
-        light forward runs the walk and the output as one kernel (walk_output; the h tape never
-        reaches HBM; its o agrees with full's to bf16 rounding, not bit for bit) and is the
-        faster forward; full skips the replay and is the faster fwd+bwd (B23 on an H200: fwd
-        2.37-2.45 vs 3.18 ms, fwd+bwd 9.45 vs 8.44 ms).
+        light forward makes A alone (solve_a) and runs w, u, the walk and the output as one
+        kernel (walk_output; none of w, u, h reaches HBM; its o agrees with full's to bf16
+        rounding, not bit for bit) and is the faster forward; full skips the replay and is the
+        faster fwd+bwd (B23 on an H200: fwd 2.16 vs 3.18 ms, fwd+bwd 8.98 vs 8.44 ms).
       deterministic: ask for bitwise-reproducible gradients. Every primitive of both backends is
         deterministic today (fixed reduction order; the CUDA kernels use no atomics), so both
         values behave the same: repeated runs with the same shapes on the same device give

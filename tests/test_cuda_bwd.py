@@ -359,7 +359,7 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
         (dict(beta=th[:, :2]), "beta must have shape"),
         (dict(A=jnp.zeros((NC, HV, 64, 32), jnp.bfloat16)), "A must have shape"),
         (dict(A=jnp.zeros((NC, HV, 64, 64), f32)),
-         "A must be bfloat16 (as the cuda prep returns it)"),
+         "A must be bfloat16 (as the cuda prep / solve_a return it)"),
         (dict(h=st[:2]), "h must have shape"),
         (dict(dS_end=st.astype(f32)), "dS_end must be bfloat16"),
         (dict(h=st.astype(f32)), "h must be bfloat16"),

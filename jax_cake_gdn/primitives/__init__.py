@@ -5,19 +5,22 @@ functions; `xla` implements all of them in jax.numpy, `cuda` replaces them with 
 they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels today).
 
 Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output
-(o, scores); walk_output (state_walk then output in one: o and exit states, for the light forward,
-which keeps neither h nor v_new). Backward: wy (w, u from the saved A, the light mode's replay),
-walk_bwd (reverse state walk), chunk_bwd (all input gradients). nan_unless (o, or NaN everywhere
-when traced cu_seqlens are malformed; the cuda one works in place).
+(o, scores); for the light forward, which keeps none of w, u, h, v_new: solve_a (prep's A alone)
+and walk_output (wy, state_walk and output in one, from A: o and exit states). Backward: wy (w, u
+from the saved A, the light mode's replay), walk_bwd (reverse state walk), chunk_bwd (all input
+gradients). nan_unless (o, or NaN everywhere when traced cu_seqlens are malformed; the cuda one
+works in place).
 Signatures: see primitives/xla.py.
 
 The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
-A, w and u (wy: w, u), its state_walk returns h and v_new, its output the scores and its walk_bwd
-returns dS_end as bf16 (rounded to nearest from f32: the values the kernels that read them use as
-operands; u starts the walks' f32 v_new accumulator), and those kernels accept only bf16 there;
-the xla set keeps them float32. Primitives of the two sets do not mix at these arrays (cast
-explicitly where a test does: `h.astype(jnp.bfloat16)`); exit states, dh0 and every other
-intermediate are float32 in both.
+A, w and u (wy: w, u; solve_a: A), its state_walk returns h and v_new, its output the scores and
+its walk_bwd returns dS_end as bf16 (rounded to nearest from f32: the values the kernels that
+read them use as operands; u starts the walks' f32 v_new accumulator), and those kernels accept
+only bf16 there; the xla set keeps them float32. Primitives of the two sets do not mix at these
+arrays (cast explicitly where a test does: `h.astype(jnp.bfloat16)`); exit states, dh0 and every
+other intermediate are float32 in both. The cuda walk_output makes w, u on chip from A with other
+bf16 roundings than prep (primitives/cuda.py), so its o agrees with the full forward's to about
+one bf16 rounding.
 
 The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
 ones (and needs neither w nor u): both save modes must give bitwise-equal gradients, and the
@@ -38,6 +41,7 @@ class Primitives(NamedTuple):
     l2norm_rstd: Callable
     prep: Callable
     wy: Callable
+    solve_a: Callable
     state_walk: Callable
     output: Callable
     walk_bwd: Callable
@@ -46,13 +50,13 @@ class Primitives(NamedTuple):
     nan_unless: Callable
 
 
-XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.wy, xla.state_walk,
-                 xla.output, xla.walk_bwd, xla.chunk_bwd, xla.walk_output, xla.nan_unless)
+XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.wy, xla.solve_a,
+                 xla.state_walk, xla.output, xla.walk_bwd, xla.chunk_bwd, xla.walk_output,
+                 xla.nan_unless)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
-CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "wy", "state_walk", "output",
-                "walk_output",
-                "walk_bwd", "chunk_bwd", "nan_unless")
+CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "wy", "solve_a", "state_walk", "output",
+                "walk_output", "walk_bwd", "chunk_bwd", "nan_unless")
 BACKENDS = ("xla", "cuda")
 
 
@@ -64,8 +68,8 @@ def _cuda_primitives() -> Primitives:
         return cuda.output(q, k, G, h, v_new, rstd_q, rstd_k, ct.start, ct.length, scale=scale,
                            out_dtype=out_dtype, with_scores=with_scores)
 
-    def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, ct, *, scale, out_dtype):
-        return cuda.walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, ct.start, ct.length,
+    def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale, out_dtype):
+        return cuda.walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct.start, ct.length,
                                 ct.seg_first, ct.seg_last, ct.seg_len, scale=scale,
                                 out_dtype=out_dtype)
 
@@ -87,6 +91,8 @@ def _cuda_primitives() -> Primitives:
                                                          ct.length),
         wy=lambda k, v, beta, G, A, rstd_k, ct: cuda.wy(k, v, beta, G, A, rstd_k, ct.start,
                                                         ct.length),
+        solve_a=lambda k, beta, G, rstd_k, ct: cuda.solve_a(k, beta, G, rstd_k, ct.start,
+                                                            ct.length),
         state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(
             k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len),
         output=output,

@@ -34,6 +34,7 @@ __all__ = [
     "l2norm_bwd",
     "prep",
     "wy",
+    "solve_a",
     "state_walk",
     "output",
     "walk_output",
@@ -224,7 +225,7 @@ _QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 # Not f32[0]: a zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under
 # shard_map (jax 0.11.2).
 _ABSENT = np.zeros((1,), np.float32)
-_A_FROM = "as the cuda prep returns it"
+_A_FROM = "as the cuda prep / solve_a return it"
 _W_FROM = "as the cuda prep / wy return it"
 _VNEW_FROM = "as the cuda state_walk returns it"
 
@@ -353,14 +354,20 @@ def l2norm_bwd(dy, x, rstd):
     return _call(fn, [(x.shape, x.dtype)], dy, x, r)[0]
 
 
+def _v_like(fn, v, k):
+    """v [T, HV, V] with k's T and dtype (checked): (v, HV, V)."""
+    v = _qkv(fn, "v", v)
+    T = k.shape[0]
+    _check(v.shape[0] == T, f"{fn}: v must be [T, HV, V] with T = {T}, got {v.shape}")
+    _check(v.dtype == k.dtype, f"{fn}: v must have k's dtype {k.dtype}, got {v.dtype}")
+    return v, v.shape[1], v.shape[2]
+
+
 def _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
     """Checks shared by prep and wy: (k, v, beta, G, rstd_k or its placeholder, cs, cl)."""
     k = _qkv(fn, "k", k)
-    v = _qkv(fn, "v", v)
     T, H, K = k.shape
-    _check(v.shape[0] == T, f"{fn}: v must be [T, HV, V] with T = {T}, got {v.shape}")
-    _check(v.dtype == k.dtype, f"{fn}: v must have k's dtype {k.dtype}, got {v.dtype}")
-    HV, V = v.shape[1], v.shape[2]
+    v, HV, V = _v_like(fn, v, k)
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
     beta = _f32(fn, "beta", beta, (T, HV))
@@ -401,10 +408,31 @@ def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
     return w, u
 
 
+def solve_a(k, beta, G, rstd_k, chunk_start, chunk_len):
+    """A bf16[NC, HV, 64, 64] alone: `prep`'s A bit for bit (the same kernel with w and u left
+    out), for the light forward, whose walk makes w and u itself (`walk_output`). k bf16/f32
+    [T, H, K]; beta, G f32[T, HV] (HV from beta); rstd_k f32[T, H] or None."""
+    fn = "solve_a"
+    k = _qkv(fn, "k", k)
+    T, H, K = k.shape
+    _check_dims(fn, K=K)
+    beta = jnp.asarray(beta)
+    _check(beta.ndim == 2 and beta.shape[0] == T,
+           f"{fn}: beta must be float32 [T, HV] with T = {T}, got {beta.shape}")
+    HV = beta.shape[1]
+    _heads(fn, H, HV)
+    beta = _f32(fn, "beta", beta, (T, HV))
+    G = _f32(fn, "G", G, (T, HV))
+    r = _rstd(fn, "rstd_k", rstd_k, T, H)
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    NC = cs.shape[0]
+    return _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16)], k, beta, G, r, cs, cl)[0]
+
+
 def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, seg_last,
                  seg_len):
-    """Checks shared by state_walk and walk_output, in one order: (w, u, G, h0, the chunk table,
-    the segment table). HV and V come from u [T, HV, V]."""
+    """state_walk's checks of (w, u, G, h0, the chunk table, the segment table). HV and V come
+    from u [T, HV, V]."""
     u = _tokens_v(fn, "u", u, T)
     HV, V = u.shape[1], u.shape[2]
     _check_dims(fn, K=K, V=V)
@@ -468,26 +496,39 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
     return o, (scores if with_scores else None)
 
 
-def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
-                seg_len, *, scale: float, out_dtype):
-    """state_walk then output in one kernel (the light forward): h and v_new never leave the chip.
+def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
+                seg_last, seg_len, *, scale: float, out_dtype):
+    """wy, state_walk and output in one kernel (the light forward): w, u, h and v_new never
+    leave the chip.
 
-    q, k: bf16/f32 [T, H, K] (same dtype); w, u, G, h0, rstd_k and the tables as `state_walk`;
-    rstd_q f32[T, H] or None. Returns o [T, HV, V] in out_dtype (as `output`) and the exit state
-    of each segment f32[S, HV, K, V] (as `state_walk`).
+    q, k, v: bf16/f32 (same dtype; q, k [T, H, K], v [T, HV, V]); beta f32[T, HV]; A
+    bf16[NC, HV, 64, 64] as `solve_a` returns it; G, h0, rstd_k and the tables as `state_walk`;
+    rstd_q f32[T, H] or None. The kernel makes w = bf16(A diag(beta e^G r)) K and
+    u = bf16(A diag(beta)) V as bf16 on chip (prep rounds K diag(.) instead of A diag(.)), so o
+    agrees with `output` after `state_walk` on prep's w, u to about one bf16 rounding. Returns o
+    [T, HV, V] in out_dtype (as `output`) and the exit state of each segment f32[S, HV, K, V]
+    (as `state_walk`).
     """
     fn = "walk_output"
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    w, u, G, h0, cs, cl, sf, sla, sl = _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start,
-                                                     chunk_len, seg_first, seg_last, seg_len)
-    HV, V = u.shape[1], u.shape[2]
+    v, HV, V = _v_like(fn, v, k)
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    beta = _f32(fn, "beta", beta, (T, HV))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    NC = cs.shape[0]
+    A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
+    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
     S = sl.shape[0]
+    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
     o, final = _call(fn, [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)],
-                     q, k, w, u, G, h0, rq, rk, cs, cl, sf, sla, sl, scale=np.float32(scale))
+                     q, k, v, beta, A, G, h0, rq, rk, cs, cl, sf, sla, sl,
+                     scale=np.float32(scale))
     return o, final
 
 

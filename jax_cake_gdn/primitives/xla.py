@@ -118,7 +118,7 @@ def l2norm_rstd(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=-1) + 1e-6)
 
 
-def _solve_a(k, beta, G, rstd_k, ct: ChunkTable):
+def solve_a(k, beta, G, rstd_k, ct: ChunkTable):
     """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1, float32 [NC, HV, 64, 64]."""
     HV = G.shape[1]
     gt = _gates(G, ct)
@@ -131,9 +131,9 @@ def _solve_a(k, beta, G, rstd_k, ct: ChunkTable):
 
 
 def prep(k, v, beta, G, rstd_k, ct: ChunkTable):
-    """A [NC, HV, 64, 64] (as _solve_a), then w [T, HV, K] and u [T, HV, V] from it (as wy),
+    """A [NC, HV, 64, 64] (as solve_a), then w [T, HV, K] and u [T, HV, V] from it (as wy),
     all float32."""
-    A = _solve_a(k, beta, G, rstd_k, ct)
+    A = solve_a(k, beta, G, rstd_k, ct)
     w, u = wy(k, v, beta, G, A, rstd_k, ct)
     return A, w, u
 
@@ -192,11 +192,14 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, ct: ChunkTable, *, scale: float, o
     return o, (att if with_scores else None)
 
 
-def walk_output(q, k, w, u, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scale: float, out_dtype):
-    """state_walk then output, for the light forward (which keeps neither h nor v_new).
+def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scale: float,
+                out_dtype):
+    """wy, state_walk then output from A (as solve_a returns it), for the light forward (which
+    keeps none of w, u, h, v_new).
 
     Returns o [T, HV, V] in out_dtype and the exit state of each segment [S, HV, K, V] f32.
     """
+    w, u = wy(k, v, beta, G, A, rstd_k, ct)
     h, v_new, final = state_walk(k, w, u, G, h0, rstd_k, ct)
     o, _ = output(q, k, G, h, v_new, rstd_q, rstd_k, ct, scale=scale, out_dtype=out_dtype)
     return o, final
