@@ -83,6 +83,33 @@ inline std::string check_v(int64_t V) {
   return {};
 }
 
+// q and k: one [T, H, K] shape (check_qk) and one dtype.
+inline std::string check_q_k(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k) {
+  std::string m = check_qk("q", q);
+  if (!m.empty()) return m;
+  if (!(k.dimensions() == q.dimensions()))
+    return "k must have q's shape " + dims_str(q.dimensions()) + ", got " +
+           dims_str(k.dimensions());
+  if (k.element_type() != q.element_type())
+    return std::string("k must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
+           dtype_name(k.element_type());
+  return {};
+}
+
+// A [T, HV, V] input (v, do) of dtype dt, the dtype of the array named ref ("q" or "k"):
+// sets HV and V (V supported).
+inline std::string check_tokens_v(const char* name, const ffi::AnyBuffer& x, const char* ref,
+                                  ffi::DataType dt, int64_t T, int64_t& HV, int64_t& V) {
+  const auto d = x.dimensions();
+  if (!(d.size() == 3 && d[0] == T))
+    return std::string(name) + " must be [T, HV, V], got shape " + dims_str(d);
+  if (x.element_type() != dt)
+    return std::string(name) + " must have " + ref + "'s dtype " + dtype_name(dt) + ", got " +
+           dtype_name(x.element_type());
+  HV = d[1], V = d[2];
+  return check_v(V);
+}
+
 #define JCG_CHECK_MSG(expr)                       \
   do {                                            \
     const std::string jcg_msg_ = (expr);          \

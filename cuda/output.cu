@@ -21,14 +21,9 @@ ffi::Error output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
                        ffi::Buffer<ffi::S32> chunk_len, float scale, ffi::Result<ffi::AnyBuffer> o,
                        ffi::ResultBuffer<ffi::BF16> scores) {
-  JCG_CHECK_MSG(check_qk("q", q));
+  JCG_CHECK_MSG(check_q_k(q, k));
   const auto qd = q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
-  JCG_CHECK_ARG(k.dimensions() == qd, "k must have q's shape " + dims_str(qd) + ", got " +
-                                          dims_str(k.dimensions()));
-  JCG_CHECK_ARG(k.element_type() == q.element_type(),
-                std::string("k must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
-                    dtype_name(k.element_type()));
   const auto vd = v_new.dimensions();
   JCG_CHECK_ARG(vd.size() == 3 && vd[0] == T,
                 "v_new must be bf16[T, HV, V], got shape " + dims_str(vd));

@@ -33,13 +33,7 @@ std::string check_wy_inputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer* v,
   const auto kd = k.dimensions();
   T = kd[0], H = kd[1], K = kd[2];
   if (v != nullptr) {
-    const auto vd = v->dimensions();
-    if (!(vd.size() == 3 && vd[0] == T)) return "v must be [T, HV, V], got shape " + dims_str(vd);
-    if (v->element_type() != k.element_type())
-      return std::string("v must have k's dtype ") + dtype_name(k.element_type()) + ", got " +
-             dtype_name(v->element_type());
-    HV = vd[1], V = vd[2];
-    if (!(m = check_v(V)).empty()) return m;
+    if (!(m = check_tokens_v("v", *v, "k", k.element_type(), T, HV, V)).empty()) return m;
   } else {
     const auto bd = beta.dimensions();
     if (bd.size() != 2) return "beta must be f32[T, HV], got shape " + dims_str(bd);
@@ -62,6 +56,39 @@ std::string check_wu(ffi::Span<const int64_t> w, ffi::Span<const int64_t> u, int
   return {};
 }
 
+// prep_kernel<In, K, kWU> over the NC x HV grid (kWU = false: v, w, u null, V unused).
+template <bool kWU>
+cudaError_t launch_prep(cudaStream_t stream, const ffi::AnyBuffer& k, const void* v,
+                        const ffi::Buffer<ffi::F32>& beta, const ffi::Buffer<ffi::F32>& G,
+                        const ffi::Buffer<ffi::F32>& rstd_k, bool has_rstd,
+                        const ffi::Buffer<ffi::S32>& chunk_start,
+                        const ffi::Buffer<ffi::S32>& chunk_len, ffi::Buffer<ffi::BF16>& A,
+                        void* w, void* u, int64_t T, int64_t H, int64_t K, int64_t HV, int64_t V,
+                        int64_t NC) {
+  cudaError_t err = cudaSuccess;
+  dispatch_float_type(k.element_type(), [&](auto tag) {
+    using In = typename decltype(tag)::type;
+    dispatch_head_dim(K, [&](auto kdim) {
+      constexpr int KD = decltype(kdim)::value;
+      // 4 CTAs/SM (<= 128 registers, 4 x (52.5 + 1) KB shared) need the largest carveout.
+      err = cudaFuncSetAttribute(prep_kernel<In, KD, kWU>,
+                                 cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      if (err != cudaSuccess) return;
+      err = launch(prep_kernel<In, KD, kWU>, dim3(static_cast<unsigned>(NC * HV)),
+                   kPrepThreads, PrepSmem<KD, kWU>::bytes, stream,
+                   static_cast<const In*>(k.untyped_data()), static_cast<const In*>(v),
+                   beta.typed_data(), G.typed_data(),
+                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                   chunk_start.typed_data(), chunk_len.typed_data(),
+                   static_cast<bf16*>(A.untyped_data()), static_cast<bf16*>(w),
+                   static_cast<bf16*>(u), T, static_cast<int>(H), static_cast<int>(HV),
+                   static_cast<int>(V));
+    });
+  });
+  return err;
+}
+
 #define JCG_HANDLER_NAME "jax_cake_gdn_prep"
 
 ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -81,28 +108,9 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
   JCG_CHECK_CUDA(poison(stream, *w));
   JCG_CHECK_CUDA(poison(stream, *u));
   if (NC == 0 || HV == 0) return ffi::Error::Success();
-  cudaError_t err = cudaSuccess;
-  dispatch_float_type(k.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
-    dispatch_head_dim(K, [&](auto kdim) {
-      constexpr int KD = decltype(kdim)::value;
-      // 4 CTAs/SM (<= 128 registers, 4 x (52.5 + 1) KB shared) need the largest carveout.
-      err = cudaFuncSetAttribute(prep_kernel<In, KD>,
-                                 cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-      if (err != cudaSuccess) return;
-      err = launch(prep_kernel<In, KD>, dim3(static_cast<unsigned>(NC * HV)), kPrepThreads,
-                   PrepSmem<KD>::bytes, stream, static_cast<const In*>(k.untyped_data()),
-                   static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
-                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                   chunk_start.typed_data(), chunk_len.typed_data(),
-                   static_cast<bf16*>(A->untyped_data()),
-                   static_cast<bf16*>(w->untyped_data()),
-                   static_cast<bf16*>(u->untyped_data()), T, static_cast<int>(H),
-                   static_cast<int>(HV), static_cast<int>(V));
-    });
-  });
-  JCG_CHECK_CUDA(err);
+  JCG_CHECK_CUDA(launch_prep<true>(stream, k, v.untyped_data(), beta, G, rstd_k, has_rstd,
+                                    chunk_start, chunk_len, *A, w->untyped_data(),
+                                    u->untyped_data(), T, H, K, HV, V, NC));
   return ffi::Error::Success();
 }
 
@@ -162,26 +170,8 @@ ffi::Error solve_a_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::
 
   JCG_CHECK_CUDA(poison(stream, *A));
   if (NC == 0 || HV == 0) return ffi::Error::Success();
-  cudaError_t err = cudaSuccess;
-  dispatch_float_type(k.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
-    dispatch_head_dim(K, [&](auto kdim) {
-      constexpr int KD = decltype(kdim)::value;
-      err = cudaFuncSetAttribute(prep_kernel<In, KD, false>,
-                                 cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-      if (err != cudaSuccess) return;
-      err = launch(prep_kernel<In, KD, false>, dim3(static_cast<unsigned>(NC * HV)),
-                   kPrepThreads, PrepSmem<KD, false>::bytes, stream,
-                   static_cast<const In*>(k.untyped_data()), static_cast<const In*>(nullptr),
-                   beta.typed_data(), G.typed_data(),
-                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                   chunk_start.typed_data(), chunk_len.typed_data(),
-                   static_cast<bf16*>(A->untyped_data()), static_cast<bf16*>(nullptr),
-                   static_cast<bf16*>(nullptr), T, static_cast<int>(H), static_cast<int>(HV), 0);
-    });
-  });
-  JCG_CHECK_CUDA(err);
+  JCG_CHECK_CUDA(launch_prep<false>(stream, k, nullptr, beta, G, rstd_k, has_rstd, chunk_start,
+                                     chunk_len, *A, nullptr, nullptr, T, H, K, HV, V, NC));
   return ffi::Error::Success();
 }
 

@@ -156,22 +156,12 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::Buffer<ffi::S32> seg_len, float scale,
                             ffi::Result<ffi::AnyBuffer> o,
                             ffi::ResultBuffer<ffi::F32> final_state) {
-  JCG_CHECK_MSG(check_qk("q", q));
+  JCG_CHECK_MSG(check_q_k(q, k));
   const auto qd = q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
-  JCG_CHECK_ARG(k.dimensions() == qd, "k must have q's shape " + dims_str(qd) + ", got " +
-                                          dims_str(k.dimensions()));
-  JCG_CHECK_ARG(k.element_type() == q.element_type(),
-                std::string("k must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
-                    dtype_name(k.element_type()));
-  const auto vd = v.dimensions();
-  JCG_CHECK_ARG(vd.size() == 3 && vd[0] == T, "v must be [T, HV, V], got shape " + dims_str(vd));
-  JCG_CHECK_ARG(v.element_type() == q.element_type(),
-                std::string("v must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
-                    dtype_name(v.element_type()));
-  const int64_t HV = vd[1], V = vd[2];
+  int64_t HV, V;
+  JCG_CHECK_MSG(check_tokens_v("v", v, "q", q.element_type(), T, HV, V));
   JCG_CHECK_MSG(check_heads(H, HV));
-  JCG_CHECK_MSG(check_v(V));
   JCG_CHECK_MSG(check_th("beta", beta.dimensions(), T, HV));
   JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
   bool has_rq = false, has_rk = false;

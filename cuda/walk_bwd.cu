@@ -33,20 +33,12 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                          ffi::Buffer<ffi::S32> seg_len, float scale,
                          ffi::ResultBuffer<ffi::BF16> dS_end, ffi::ResultBuffer<ffi::F32> dh0) {
-  JCG_CHECK_MSG(check_qk("q", q));
-  JCG_CHECK_MSG(check_qk("k", k));
+  JCG_CHECK_MSG(check_q_k(q, k));
   const auto qd = q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
-  JCG_CHECK_ARG(k.dimensions() == qd, "k must have q's shape " + dims_str(qd) + ", got " +
-                                          dims_str(k.dimensions()));
-  JCG_CHECK_ARG(k.element_type() == q.element_type(), "k must have q's dtype");
-  const auto od = dout.dimensions();
-  JCG_CHECK_ARG(od.size() == 3 && od[0] == T,
-                "do must be [T, HV, V], got shape " + dims_str(od));
-  JCG_CHECK_ARG(dout.element_type() == q.element_type(), "do must have q's dtype");
-  const int64_t HV = od[1], V = od[2];
+  int64_t HV, V;
+  JCG_CHECK_MSG(check_tokens_v("do", dout, "q", q.element_type(), T, HV, V));
   JCG_CHECK_MSG(check_heads(H, HV));
-  JCG_CHECK_MSG(check_v(V));
   JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
                 "w must be bf16[T, HV, K], got shape " + dims_str(w.dimensions()));
   JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
