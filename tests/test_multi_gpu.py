@@ -14,6 +14,7 @@ from kcp_harness import (LAYOUTS, NAMES, docs_for, run_conv_kcp, run_conv_one_de
                          run_one_device)
 
 TOL = 1e-2  # bf16 inputs (DESIGN.md section 4)
+LIGHT_FULL_O_TOL = 6e-3  # light vs full o (test_cuda_fwd.SEP_TOL)
 T, H, HV, D = 8192, 2, 6, 128
 
 
@@ -46,9 +47,10 @@ def test_cp_on_gpus_matches_one_gpu(rng, W, layout, exchange, segments):
         out[mode] = run_kcp(devs, layout, cu, args, do, backend="cuda", qk_l2norm=True,
                             exchange=exchange, segments=segments, save_mode=mode)
     (o, grads), (o_full, grads_full) = out["light"], out["full"]
-    # o: the light forward's fused walk_output rounds other operands than full's output kernel
-    # (raw q, k; rstd on accumulators), so o agrees to bf16 rounding; gradients bitwise
-    assert rel_rms(o, o_full) <= 5e-3, rel_rms(o, o_full)
+    # o: the light forward's fused walk_output makes w, u from A and rounds other operands than
+    # full's state_walk + output (test_cuda_fwd.SEP_TOL: one bf16 rounding apart, 3.8-5.3e-3 on
+    # one H200); gradients bitwise
+    assert rel_rms(o, o_full) <= LIGHT_FULL_O_TOL, rel_rms(o, o_full)
     for n, a, b in zip(NAMES, grads, grads_full):
         np.testing.assert_array_equal(a, b, err_msg=f"light vs full d{n}")
     errs = {"o": rel_rms(o, ro), **{n: rel_rms(a, b) for n, a, b in zip(NAMES, grads, rgrads)}}
