@@ -185,6 +185,24 @@ __device__ __forceinline__ int cb_col(int n0, int nt, int e) {
   return n0 + 8 * nt + 2 * (threadIdx.x & 3) + (e & 1);
 }
 
+// Rows i < len of a tile to row(i) (a global row pointer, f32 or bf16; columns n0..), each
+// element times scale(i).
+template <typename Row, typename Scale>
+__device__ __forceinline__ void cb_store_rows(const float (&acc)[4][4], int len, int m0, int n0,
+                                              Row row, Scale scale) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = cb_row(m0, 2 * hf);
+    if (i < len) {
+      auto* op = row(i);
+      const float r = scale(i);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+        store2(op + cb_col(n0, nt, 0), r * acc[nt][2 * hf], r * acc[nt][2 * hf + 1]);
+    }
+  }
+}
+
 // Row sums s0 (row m0 + g), s1 (row m0 + g + 8) of a tile, reduced over the quad; lane q == 0
 // stores them to part[row * np + n0 / 32].
 __device__ __forceinline__ void cb_row_partial(float s0, float s1, float* part, int np, int m0,
@@ -198,6 +216,18 @@ __device__ __forceinline__ void cb_row_partial(float s0, float s1, float* part, 
     part[(m0 + g) * np + n0 / 32] = s0;
     part[(m0 + g + 8) * np + n0 / 32] = s1;
   }
+}
+
+// A tile's row sums, then cb_row_partial of them: f(nt, e, i, j, s) adds element (nt, e)'s term
+// (row i, column j) to its row's sum s (and may update the element).
+template <typename F>
+__device__ __forceinline__ void cb_row_sums(float* part, int np, int m0, int n0, F f) {
+  float s[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(nt, e, cb_row(m0, e), cb_col(n0, nt, e), s[e >> 1]);
+  cb_row_partial(s[0], s[1], part, np, m0, n0);
 }
 
 // Two bf16 values into a shared tile (pitch ld).
@@ -419,35 +449,21 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
       cb_tile_pos(it, m0, n0);
-      float s[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-          const float eg = __expf(sG[i]);
-          const float dqg = scale * acc[it][nt][e];
-          s[e >> 1] += dqg * cb_bf(at64(Qs, i, j)) * eg;
-          acc[it][nt][e] = dqg * eg;
-        }
-      }
-      cb_row_partial(s[0], s[1], pa, 4, m0, n0);
+      cb_row_sums(pa, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
+        const float eg = __expf(sG[i]);
+        const float dqg = scale * acc[it][nt][e];
+        s += dqg * cb_bf(at64(Qs, i, j)) * eg;
+        acc[it][nt][e] = dqg * eg;
+      });
     }
     cb_batch([&](int it, int n0) { cb_mma<kChunk, false, false>(acc[it], DGm, Ks, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
       cb_tile_pos(it, m0, n0);
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = cb_row(m0, 2 * hf);
-        if (i < len) {
-          float* op = dQ + ((cs.start + i) * HV + hv) * K;
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
-            store2(op + cb_col(n0, nt, 0), acc[it][nt][2 * hf], acc[it][nt][2 * hf + 1]);
-        }
-      }
+      cb_store_rows(
+          acc[it], len, m0, n0, [&](int i) { return dQ + ((cs.start + i) * HV + hv) * K; },
+          [](int) { return 1.f; });
     }
   }
 
@@ -460,18 +476,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
     cb_tile_pos(it, m0, n0);
-    float s[2] = {0.f, 0.f};
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-        const float dec = __expf(GC - sG[i]);
-        s[e >> 1] += dk[it][nt][e] * cb_bf(at64(Ks, i, j)) * dec;
-        dk[it][nt][e] *= dec;
-      }
-    }
-    cb_row_partial(s[0], s[1], pb, 4, m0, n0);
+    cb_row_sums(pb, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
+      const float dec = __expf(GC - sG[i]);
+      s += dk[it][nt][e] * cb_bf(at64(Ks, i, j)) * dec;
+      dk[it][nt][e] *= dec;
+    });
   }
   cb_batch([&](int it, int n0) { cb_mma<kChunk, true, false>(dk[it], DGm, Qs, n0); }, dk);
   fence_proxy_async();
@@ -537,24 +546,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     for (int it = 0; it < V / 64; ++it) {
       int m0, n0;
       cb_tile_pos(it, m0, n0);
-      float s[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          s[e >> 1] += acc[it][nt][e] * cb_bf(at64(Vs, cb_row(m0, e), cb_col(n0, nt, e)));
-      cb_row_partial(s[0], s[1], pc, 4, m0, n0);
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = cb_row(m0, 2 * hf);
-        if (i < len) {
-          In* op = dV + ((cs.start + i) * HV + hv) * V;
-          const float b = sB[i];
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt)
-            store2(op + cb_col(n0, nt, 0), b * acc[it][nt][2 * hf], b * acc[it][nt][2 * hf + 1]);
-        }
-      }
+      cb_row_sums(pc, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
+        s += acc[it][nt][e] * cb_bf(at64(Vs, i, j));
+      });
+      cb_store_rows(
+          acc[it], len, m0, n0, [&](int i) { return dV + ((cs.start + i) * HV + hv) * V; },
+          [&](int i) { return sB[i]; });
     }
   }
   {
@@ -566,17 +563,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
       cb_tile_pos(it, m0, n0);
-      float s[2] = {0.f, 0.f};
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-          s[e >> 1] += acc[it][nt][e] * cb_bf(at64(Ks, i, j));
-          dk[it][nt][e] += sB[i] * __expf(sG[i]) * acc[it][nt][e];
-        }
-      }
-      cb_row_partial(s[0], s[1], pd, 4, m0, n0);
+      cb_row_sums(pd, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
+        s += acc[it][nt][e] * cb_bf(at64(Ks, i, j));
+        dk[it][nt][e] += sB[i] * __expf(sG[i]) * acc[it][nt][e];
+      });
     }
   }
   fence_proxy_async();
@@ -645,16 +635,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
     cb_tile_pos(it, m0, n0);
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int i = cb_row(m0, 2 * hf);
-      if (i < len) {
-        float* op = dK + ((cs.start + i) * HV + hv) * K;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          store2(op + cb_col(n0, nt, 0), dk[it][nt][2 * hf], dk[it][nt][2 * hf + 1]);
-      }
-    }
+    cb_store_rows(
+        dk[it], len, m0, n0, [&](int i) { return dK + ((cs.start + i) * HV + hv) * K; },
+        [](int) { return 1.f; });
   }
   if (tid < kChunk) {
     const int i = tid;
