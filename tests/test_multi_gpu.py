@@ -97,8 +97,8 @@ _POISON_CHECK = textwrap.dedent("""
 """)
 
 
-def test_cp_on_gpus_finite_under_poison():
-    W = 2
+@pytest.mark.parametrize("W", (2, 4, 8))
+def test_cp_on_gpus_finite_under_poison(W):
     gpus(W)
     run_python(_POISON_CHECK.format(here=os.path.abspath(__file__), W=W), poison=True,
                timeout=900)
