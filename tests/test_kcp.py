@@ -232,6 +232,10 @@ def test_gdn_kcp_outside_shard_map(rng):
 
 def test_plan():
     assert plan_kcp(32768, 48, num_ranks=1).P > 1  # one piece x 48 heads < 132 SMs
+    # 48 heads: P = 8 (three waves of 1/8 chains); P = 3 takes two waves of 1/3 chains
+    assert plan_kcp(131072, 48, num_ranks=2).P == 8
+    assert plan_kcp(4 * 64, 48, num_ranks=2).P == 1  # 4 chunks: no room for two segments
+    assert plan_kcp(8 * 64, 48, num_ranks=2).P == 2
     assert plan_kcp(32768, 48, layout="doc_zigzag", num_ranks=2, num_docs=4).P == 1
     assert plan_kcp(256, 2, num_ranks=1, segments=5).P == 5
 
