@@ -5,8 +5,9 @@
 //       -> dx [T, H, K] in x's dtype:  d = sum_{j < HV/H} dy[:, h HV/H + j]  (the GVA group sum),
 //          dx = rstd (d - (d . y) y) with y = x rstd  (no L2 norm: dx = d)
 //
-// One warp per row; f32 sums in a fixed order (lane-strided partial sums, then a butterfly), so
-// both are deterministic. rstd: any K; l2norm_bwd: K in {64, 128}.
+// f32 sums in a fixed order (per-lane partial sums, then a butterfly), so both are deterministic.
+// rstd: 16-byte loads, K * sizeof / 16 lanes per row where that is 8, 16 or 32 (K = 64, 128), else
+// any K with a warp per row; l2norm_bwd: one warp per row, K in {64, 128}.
 #include "fwd_args.cuh"
 #include "fwd_common.cuh"
 
@@ -17,21 +18,43 @@ namespace {
 
 constexpr int kL2Threads = 256;
 
-template <typename In>
+// kLanes > 0: kLanes lanes per row of K = kLanes x 16 / sizeof(In) elements, one 16-byte load a
+// lane (K = 64, 128); kLanes = 0: any K, a warp per row, lane-strided loads.
+template <typename In, int kLanes>
 __global__ void __launch_bounds__(kL2Threads)
     l2norm_rstd_kernel(const In* __restrict__ x, float* __restrict__ rstd, int64_t rows, int K) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kL2Threads / 32) + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const In* p = x + row * K;
+  constexpr int kRowLanes = kLanes > 0 ? kLanes : 32;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * kL2Threads + threadIdx.x) / kRowLanes;
+  const int lane = threadIdx.x % kRowLanes;
   float s = 0.f;
-  for (int i = lane; i < K; i += 32) {
-    const float v = static_cast<float>(p[i]);
-    s = fmaf(v, v, s);
+  if (row < rows) {
+    if constexpr (kLanes > 0) {
+      constexpr int kVec = 16 / sizeof(In);
+      const uint4 raw = *reinterpret_cast<const uint4*>(x + (row * kLanes + lane) * kVec);
+      const In* e = reinterpret_cast<const In*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float v = static_cast<float>(e[i]);
+        s = fmaf(v, v, s);
+      }
+    } else {
+      const In* p = x + row * K;
+      for (int i = lane; i < K; i += 32) {
+        const float v = static_cast<float>(p[i]);
+        s = fmaf(v, v, s);
+      }
+    }
   }
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-  if (lane == 0) rstd[row] = rsqrtf(s + 1e-6f);
+  for (int off = kRowLanes / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+  if (row < rows && lane == 0) rstd[row] = rsqrtf(s + 1e-6f);
+}
+
+template <typename In, int kLanes>
+void launch_l2norm_rstd(cudaStream_t stream, const In* x, float* rstd, int64_t rows, int K) {
+  constexpr int kRowLanes = kLanes > 0 ? kLanes : 32;
+  const unsigned blocks = ceil_div(rows * kRowLanes, kL2Threads);
+  l2norm_rstd_kernel<In, kLanes><<<blocks, kL2Threads, 0, stream>>>(x, rstd, rows, K);
 }
 
 ffi::Error l2norm_rstd_impl(cudaStream_t stream, ffi::AnyBuffer x,
@@ -48,12 +71,18 @@ ffi::Error l2norm_rstd_impl(cudaStream_t stream, ffi::AnyBuffer x,
   JCG_CHECK_CUDA(poison(stream, *rstd));
   if (rows == 0) return ffi::Error::Success();
   JCG_CHECK_ARG(d[2] > 0, "K must be positive");
-  const unsigned blocks = ceil_div(rows, kL2Threads / 32);
   cudaError_t err = cudaSuccess;
   dispatch_float_type(x.element_type(), [&](auto tag) {
     using In = typename decltype(tag)::type;
-    l2norm_rstd_kernel<In><<<blocks, kL2Threads, 0, stream>>>(
-        static_cast<const In*>(x.untyped_data()), rstd->typed_data(), rows, static_cast<int>(d[2]));
+    const auto* xp = static_cast<const In*>(x.untyped_data());
+    const int K = static_cast<int>(d[2]);
+    const int64_t row_bytes = d[2] * static_cast<int64_t>(sizeof(In));
+    switch (row_bytes % 16 == 0 ? row_bytes / 16 : 0) {  // lanes of 16 bytes per row
+      case 8: launch_l2norm_rstd<In, 8>(stream, xp, rstd->typed_data(), rows, K); break;
+      case 16: launch_l2norm_rstd<In, 16>(stream, xp, rstd->typed_data(), rows, K); break;
+      case 32: launch_l2norm_rstd<In, 32>(stream, xp, rstd->typed_data(), rows, K); break;
+      default: launch_l2norm_rstd<In, 0>(stream, xp, rstd->typed_data(), rows, K);
+    }
     err = cudaGetLastError();
   });
   JCG_CHECK_CUDA(err);
