@@ -256,3 +256,14 @@ def test_device_times_child_runs_the_op():
     for op in ("fwd", "fwd+bwd"):
         assert dt.main([dt._CHILD, "--workload", "tiny", "--ops", op, "--modes", "light",
                         "--backend", "xla"]) == 0
+
+
+def test_host_time_runs():
+    from benchmarks import host_time
+
+    rows = host_time.main(["--workload", "tiny", "--arms", "xla,xla:full", "--calls", "2",
+                           "--flush-mib", "0"])
+    assert [r["arm"] for r in rows] == ["xla", "xla:full"]
+    for r in rows:
+        assert 0 < r["dispatch_ms"] <= r["call_ms"]  # each call returns before its sync ends
+        assert r["call_min_ms"] <= r["call_ms"] and r["back_to_back_ms"] > 0
