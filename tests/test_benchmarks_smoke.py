@@ -267,3 +267,18 @@ def test_host_time_runs():
     for r in rows:
         assert 0 < r["dispatch_ms"] <= r["call_ms"]  # each call returns before its sync ends
         assert r["call_min_ms"] <= r["call_ms"] and r["back_to_back_ms"] > 0
+
+
+def test_rel_rms_blocks_match_one_pass():
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal((3, 1001)).astype(np.float32)
+    x = ref + 1e-3 * rng.standard_normal(ref.shape).astype(np.float32)
+    want = np.linalg.norm((x - ref).astype(np.float64)) / np.linalg.norm(ref.astype(np.float64))
+    for block in (7, 1000, 1 << 22):
+        assert run.rel_rms(x, ref, block=block) == pytest.approx(want, rel=1e-12)
+    x[1, 500] = np.nan
+    assert np.isnan(run.rel_rms(x, ref, block=64))
+    with pytest.raises(ValueError, match="elements"):
+        run.rel_rms(x[:2], ref)
