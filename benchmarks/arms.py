@@ -381,7 +381,8 @@ def kcp_arm(opts: List[str]) -> Arm:
         cu = state["cu"]
         out = []
         for x in jax.tree_util.tree_leaves(res):
-            if x.ndim >= 2:  # token arrays come back in layout order
+            # token arrays come back in layout order (contiguous: the packed order itself)
+            if x.ndim >= 2 and cfg["layout"] != "contiguous":
                 x = jcg.from_layout(np.asarray(x), cu, cfg["layout"], W)
             out.append(np.asarray(x, np.float32))
         return out
