@@ -18,8 +18,7 @@ from benchmarks.run import make_flush
 
 
 def measure(arm_spec: str, workload: str, op: str, calls: int, flush_mib: int) -> dict:
-    name, *opts = arm_spec.split(":")
-    arm = arms.FACTORIES[name](opts)
+    arm = arms.make_arm(arm_spec)
     wl = workloads.get(workload)
     call = arm.setup(wl, op, wl.make_inputs(0))
     flush = make_flush(flush_mib)
