@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-        const float gam = j <= i ? __expf(sG[i] - sG[j]) : 0.f;
+        const float gam = j <= i ? exp_ftz(sG[i] - sG[j]) : 0.f;
         const float a = gam * att[nt][e];
         const float datt = j <= i ? scale * dd[nt][e] : 0.f;
         att[nt][e] = a;
@@ -430,7 +430,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
-          const float dec = __expf(GC - sG[i]);
+          const float dec = exp_ftz(GC - sG[i]);
           cb_st2(at64(Du, i, j), dec * a1[it][nt][2 * hf] + scale * a2[it][nt][2 * hf],
                  dec * a1[it][nt][2 * hf + 1] + scale * a2[it][nt][2 * hf + 1]);
         }
@@ -450,7 +450,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       int m0, n0;
       cb_tile_pos(it, m0, n0);
       cb_row_sums(pa, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
-        const float eg = __expf(sG[i]);
+        const float eg = exp_ftz(sG[i]);
         const float dqg = scale * acc[it][nt][e];
         s += dqg * cb_bf(at64(Qs, i, j)) * eg;
         acc[it][nt][e] = dqg * eg;
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     int m0, n0;
     cb_tile_pos(it, m0, n0);
     cb_row_sums(pb, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
-      const float dec = __expf(GC - sG[i]);
+      const float dec = exp_ftz(GC - sG[i]);
       s += dk[it][nt][e] * cb_bf(at64(Ks, i, j)) * dec;
       dk[it][nt][e] *= dec;
     });
@@ -530,7 +530,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int j = cb_col(n0, nt, e);
-        x[e] = sB[j] * (a1[nt][e] + __expf(sG[j]) * a2[nt][e]);
+        x[e] = sB[j] * (a1[nt][e] + exp_ftz(sG[j]) * a2[nt][e]);
       }
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
       cb_st2(at64(DA, i0, j), x[0], x[1]);
@@ -565,7 +565,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cb_tile_pos(it, m0, n0);
       cb_row_sums(pd, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
         s += acc[it][nt][e] * cb_bf(at64(Ks, i, j));
-        dk[it][nt][e] += sB[i] * __expf(sG[i]) * acc[it][nt][e];
+        dk[it][nt][e] += sB[i] * exp_ftz(sG[i]) * acc[it][nt][e];
       });
     }
   }
@@ -609,7 +609,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-        const float dlg = j < i ? -__expf(sG[i] - sG[j]) * acc[nt][e] : 0.f;
+        const float dlg = j < i ? -exp_ftz(sG[i] - sG[j]) * acc[nt][e] : 0.f;
         const float n = dlg * kk[nt][e];
         s[e >> 1] += n;
         sM[i * MP + j] += sB[i] * n;
@@ -657,7 +657,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 #pragma unroll
     for (int p = 0; p < V / 32; ++p) cc += pc[i * 4 + p];
     const float e = pe[i * 2] + pe[i * 2 + 1];
-    const float eg = __expf(sG[i]);
+    const float eg = exp_ftz(sG[i]);
     sdG[i] = i < len ? a - b + rs - cs_ + sB[i] * eg * d : 0.f;
     if (i < len) dbeta[(cs.start + i) * HV + hv] = cc + eg * d + e;
   } else if (warp == kChunk / 32) {
@@ -673,7 +673,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     if (lane == 0) {
       float hs = 0.f;
       for (int w = 0; w < kCbWarps; ++w) hs += sRed[w];
-      sRed[kCbWarps] = b + __expf(GC) * hs;
+      sRed[kCbWarps] = b + exp_ftz(GC) * hs;
     }
   }
   __syncthreads();

@@ -33,6 +33,15 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// e^x as ex2.approx.ftz(x log2 e): __expf without its fix-up for results below 2^-126 (they
+// flush to 0; every use here is a decay or gate factor of an O(1) value). Two instructions
+// where __expf takes five.
+__device__ __forceinline__ float exp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
 // Four 8x8 b16 matrices; lane l gives the row address of matrix l / 8, row l % 8.
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -44,6 +53,16 @@ __device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_u32(p)));
+}
+
+// Stores four 8x8 b16 matrices: lane l gives the row address of matrix l / 8, row l % 8; r[i]
+// holds this thread's pair of matrix i (row lane / 4, columns 2 (lane % 4)..), as ldsm_x4 loads.
+__device__ __forceinline__ void stsm_x4(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
+                                        uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :
+               : "r"(smem_u32(p)), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
 }
 
 // d += a * b  (m16n8k16, bf16 inputs, f32 accumulators)
@@ -171,17 +190,17 @@ struct TilePieces {
 
 // A Rows x D tile of bf16 (or f32) into shared memory as it is (pitch ld) by 16-byte cp.async
 // pieces (8 bf16, or 2 pieces of 4 f32 per 8-element piece of TilePieces): row t < len is
-// src[t*row_stride + col], rows t >= len are zero. The caller commits and waits. kUnroll = false
-// keeps the issue loop rolled (fewer live registers where that matters).
+// src[t*row_stride + col], rows t >= len are zero. The caller commits and waits. kUnroll: the
+// issue loop's unroll factor (all pieces by default; less keeps fewer live registers).
 // cp_async_tile_at: the same with element (t, c) of the tile at at(t, c) (a T*; e.g. a swizzled
 // slab, wgmma.cuh), for bf16 tiles.
-template <int Rows, int D, int Threads, bool kUnroll = true, typename T, typename At>
+template <int Rows, int D, int Threads, int kUnroll = Rows, typename T, typename At>
 __device__ __forceinline__ void cp_async_tile_at(At at, const T* src, int64_t row_stride,
                                                  int len) {
   static_assert(sizeof(T) == 2 || sizeof(T) == 4, "bf16 or f32");
   using P = TilePieces<Rows, D, Threads>;
   const int t0 = P::row0(), c = P::col();
-#pragma unroll(kUnroll ? P::kPer : 1)
+#pragma unroll(kUnroll < P::kPer ? kUnroll : P::kPer)
   for (int j = 0; j < P::kPer; ++j) {
     const int t = t0 + j * P::kRowStep;
     const bool ok = t < len;
@@ -192,7 +211,7 @@ __device__ __forceinline__ void cp_async_tile_at(At at, const T* src, int64_t ro
   }
 }
 
-template <int Rows, int D, int Threads, bool kUnroll = true, typename T>
+template <int Rows, int D, int Threads, int kUnroll = Rows, typename T>
 __device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int64_t row_stride,
                                               int len) {
   cp_async_tile_at<Rows, D, Threads, kUnroll>([=](int t, int c) { return dst + t * ld + c; },

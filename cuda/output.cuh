@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   }
   fence_proxy_async();
   __syncthreads();  // Att complete
-  const float eg0 = __expf(sg[i0]), eg1 = __expf(sg[i1]);
+  const float eg0 = exp_ftz(sg[i0]), eg1 = exp_ftz(sg[i1]);
 
   for (int p = 0; p < V / 64; ++p) {
     float acc[32];

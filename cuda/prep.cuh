@@ -56,7 +56,7 @@ __device__ __forceinline__ void wy_load_tiles(bf16* Ks, bf16* Vs, const In* __re
     const ScaleRstd rs{rstd, cs.start, H, hk};
     load_tile_bf16<kChunk, K, 8, kPrepThreads>(
         Ks, XP, k + hk * K + cs.start * H * K, int64_t{H} * K, cs.len, [&](int t) {
-          return __ldg(bt + t * HV) * __expf(__ldg(gt + t * HV)) * rs(t);
+          return __ldg(bt + t * HV) * exp_ftz(__ldg(gt + t * HV)) * rs(t);
         });
   }
   const auto sv = [&](int t) { return __ldg(bt + t * HV); };
@@ -256,7 +256,7 @@ struct PrepKScales {
     for (int j = 0; j < kPer; ++j) {
       const int t = min(P::row0() + j * P::kRowStep, len - 1);
       rs[j] = r(t);
-      if constexpr (kWU) ks[j] = __ldg(bt + t * HV) * __expf(__ldg(gt + t * HV)) * rs[j];
+      if constexpr (kWU) ks[j] = __ldg(bt + t * HV) * exp_ftz(__ldg(gt + t * HV)) * rs[j];
     }
   }
 };
@@ -299,7 +299,7 @@ __device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, cons
       const int tt = min(t0 + (b0 + j) * P::kRowStep, len - 1);
       load8(src + tt * row_stride + c8, f[j]);
       rs[j] = r(tt);
-      if constexpr (kWU) ks[j] = __ldg(bt + tt * HV) * __expf(__ldg(gt + tt * HV)) * rs[j];
+      if constexpr (kWU) ks[j] = __ldg(bt + tt * HV) * exp_ftz(__ldg(gt + tt * HV)) * rs[j];
     }
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
@@ -413,13 +413,13 @@ __global__ void __launch_bounds__(kPrepThreads, 4)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
-        acc[nt][e] = sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e];
+        acc[nt][e] = sb[i] * exp_ftz(sg[i] - sg[j]) * acc[nt][e];
       }
     } else if (nt < 2 * warp + 2) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = 16 * warp + g + 8 * (e >> 1), j = 8 * nt + 2 * q + (e & 1);
-        const float x = sb[i] * __expf(sg[i] - sg[j]) * acc[nt][e];
+        const float x = sb[i] * exp_ftz(sg[i] - sg[j]) * acc[nt][e];
         acc[nt][e] = i > j ? x : 0.f;
       }
     } else {

@@ -198,20 +198,20 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       cp_async_row_vectors<kLoaders>(rows, cs.start, len);
       cp_async_commit();
       if constexpr (sizeof(In) == 2) {  // q, k, dO raw into their slabs (scaled there below)
-        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(Qs), q + qk_off,
+        cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(Qs), q + qk_off,
                                                      int64_t{H} * K, len);
-        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(Ks), k + qk_off,
+        cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(Ks), k + qk_off,
                                                      int64_t{H} * K, len);
-        cp_async_tile_at<kChunk, VT, kLoaders, false>(slab_at<kChunk>(DOs), dout + o_off,
+        cp_async_tile_at<kChunk, VT, kLoaders, 1>(slab_at<kChunk>(DOs), dout + o_off,
                                                       int64_t{HV} * V, len);
       }
       cp_async_commit();
       // w (and the saved scores) straight into their slabs
-      cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(buf(b) + Sm::bWs),
+      cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(buf(b) + Sm::bWs),
                                                    w + (cs.start * HV + hv) * K,
                                                    int64_t{HV} * K, len);
       if constexpr (kScores)
-        cp_async_tile_at<kChunk, kChunk, kLoaders, false>(
+        cp_async_tile_at<kChunk, kChunk, kLoaders, 1>(
             slab_at<kChunk>(buf(b) + Sm::bAtt),
             scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
       cp_async_commit();
@@ -225,7 +225,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       constexpr int kNB = 8;  // f32: 16-byte loads in flight a thread
       auto rq = [&](int t) { return rstd_q != nullptr ? stRq[t] : 1.f; };
       auto rk = [&](int t) { return rstd_k != nullptr ? stRk[t] : 1.f; };
-      auto eg = [&](int t) { return __expf(stG[t]); };
+      auto eg = [&](int t) { return exp_ftz(stG[t]); };
       walk_bwd_convert<K, kNB>(Qs, q + qk_off, int64_t{H} * K, len, rq,
                                [&](int t, int c8, const float (&f)[8], float r) {
                                  sts8_bf16(slab_at<kChunk>(Qs)(t, c8), f, r);
@@ -286,7 +286,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     const float* sg = sG(b);
 
     const float GC = len > 0 ? sg[len - 1] : 0.f;
-    const float eGC = __expf(GC);
+    const float eGC = exp_ftz(GC);
     wg_write_sb<K>(S, Sb, wq);
     fence_proxy_async();
     warpgroup_sync(wg);  // Sb ready (read by its own warpgroup only)
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = 16 * wq + g + 8 * half;
-      const float dec = __expf(GC - sg[t]);
+      const float dec = exp_ftz(GC - sg[t]);
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float x0 = dec * acc[4 * j + 2 * half] + dvl[4 * j + 2 * half];

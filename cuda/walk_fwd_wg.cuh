@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
                 "walk_fwd_wg: the CTAs per SM do not fit in shared memory");
   constexpr int kCompute = 2 * V;  // compute threads; the producer warpgroup follows them
   constexpr int kLoaders = 128;
+  constexpr int kCopyUnroll = 2;  // cp.async pieces per issue-loop step (ptxas spills at 4)
   static_assert(walk_fwd_wg_threads<V>() == kCompute + kLoaders, "one producer warpgroup");
   constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup (kOut)
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -171,8 +172,8 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     auto copy_qk = [&](const In* src, unsigned char* slabs, int64_t start, int len) {
       const In* p = src + (start * H + hk) * K;
       if constexpr (std::is_same_v<In, bf16>) {
-        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(slabs), p, int64_t{H} * K,
-                                                     len);
+        cp_async_tile_at<kChunk, K, kLoaders, kCopyUnroll>(slab_at<kChunk>(slabs), p,
+                                                           int64_t{H} * K, len);
       } else {  // f32: rounded to bf16 on the way (plain loads)
         load_tile_bf16_at<kChunk, K, 4, kLoaders>(slab_at<kChunk>(slabs), p, int64_t{H} * K,
                                                   max(len, 1), ScaleOne{});
@@ -201,8 +202,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         wg_store_slab<64>(acc, out + n * Sm::kSlab, wq);
       }
     };
-    auto copy_chunk = [&](int c, int b) {
-      const ChunkSpan cs = chunk_span(a.cstart, a.clen, c, a.num_tokens);
+    auto copy_chunk = [&](int c, int b, const ChunkSpan cs) {
       float* r = rows(b);
       if constexpr (kOut) {  // group 1: rows, A (into A_u), v (into the u slabs); 2: q, k
         const RowVector vecs[4] = {{r, a.G, HV, hv},
@@ -212,13 +212,13 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
         unsigned char* Au = smem + Sm::oAu;
         unsigned char* Aw = smem + Sm::oAw;
-        cp_async_tile_at<kChunk, kChunk, kLoaders, false>(
+        cp_async_tile_at<kChunk, kChunk, kLoaders, kCopyUnroll>(
             slab_at<kChunk>(Au), a.A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk),
             kChunk, kChunk);
         const In* vsrc = a.v + (cs.start * HV + hv) * V;
         if constexpr (std::is_same_v<In, bf16>) {
-          cp_async_tile_at<kChunk, V, kLoaders, false>(slab_at<kChunk>(u_slabs(b)), vsrc,
-                                                       int64_t{HV} * V, cs.len);
+          cp_async_tile_at<kChunk, V, kLoaders, kCopyUnroll>(slab_at<kChunk>(u_slabs(b)), vsrc,
+                                                             int64_t{HV} * V, cs.len);
         } else {
           load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)), vsrc,
                                                     int64_t{HV} * V, max(cs.len, 1),
@@ -238,7 +238,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const int j = c8 + e;
-            fw[e] = rB[j] * __expf(r[j]) * (a.rstd != nullptr ? r[kChunk + j] : 1.f);
+            fw[e] = rB[j] * exp_ftz(r[j]) * (a.rstd != nullptr ? r[kChunk + j] : 1.f);
           }
 #pragma unroll 1
           for (int p = 0; p < P::kPer; ++p) {
@@ -270,21 +270,26 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         copy_qk(a.k, k_slabs(b), cs.start, cs.len);
         const RowVector vecs[2] = {{r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}};
         cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
-        cp_async_tile_at<kChunk, K, kLoaders, false>(slab_at<kChunk>(w_slabs(b)),
-                                                     a.w + (cs.start * HV + hv) * K,
-                                                     int64_t{HV} * K, cs.len);
-        cp_async_tile_at<kChunk, V, kLoaders, false>(slab_at<kChunk>(u_slabs(b)),
-                                                     a.u + (cs.start * HV + hv) * V,
-                                                     int64_t{HV} * V, cs.len);
+        cp_async_tile_at<kChunk, K, kLoaders, kCopyUnroll>(
+            slab_at<kChunk>(w_slabs(b)), a.w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
+        cp_async_tile_at<kChunk, V, kLoaders, kCopyUnroll>(
+            slab_at<kChunk>(u_slabs(b)), a.u + (cs.start * HV + hv) * V, int64_t{HV} * V, cs.len);
         cp_async_commit();
         cp_async_wait_all();
       }
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
     };
-    copy_chunk(c_first, 0);
+    // The chunk table entries of chunk c + 2 are loaded while chunk c + 1 is copied.
+    auto span = [&](int c) { return chunk_span(a.cstart, a.clen, min(c, c_last), a.num_tokens); };
+    ChunkSpan next = span(c_first + 1);
+    copy_chunk(c_first, 0, span(c_first));
     for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
       __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c - 1
-      if (c < c_last) copy_chunk(c + 1, b ^ 1);
+      if (c < c_last) {
+        const ChunkSpan cs = next;
+        next = span(c + 2);
+        copy_chunk(c + 1, b ^ 1, cs);
+      }
     }
     return;  // barrier 0 is not used after the last chunk opens
   }
@@ -314,8 +319,11 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   }
 
   const int i0 = 16 * wq + g, i1 = i0 + 8;  // this thread's accumulator rows
+  // The chunk table entries of chunk c + 1 are loaded during chunk c.
+  ChunkSpan next = chunk_span(a.cstart, a.clen, c_first, a.num_tokens);
   for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
-    const ChunkSpan cs = chunk_span(a.cstart, a.clen, c, a.num_tokens);
+    const ChunkSpan cs = next;
+    next = chunk_span(a.cstart, a.clen, min(c + 1, c_last), a.num_tokens);
     const int len = cs.len, last = max(len - 1, 0);
     __syncthreads();  // chunk c's inputs have landed; chunk c - 1 is done
 
@@ -392,7 +400,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
       fence_proxy_async();
       compute_sync<kCompute>();  // Att, Vn, Vd complete
       // o = e^G (Q S) + Att Vn (issued with the state update below)
-      const float eg0 = __expf(rG[min(i0, last)]), eg1 = __expf(rG[min(i1, last)]);
+      const float eg0 = exp_ftz(rG[min(i0, last)]), eg1 = exp_ftz(rG[min(i1, last)]);
       wg_scale_rows(oacc, eg0, eg1);
     } else {
       fence_proxy_async();
@@ -400,7 +408,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     }
 
     // S = e^{G_C} S + K^T Vd
-    wg_scale_state<K>(S, __expf(GC));
+    wg_scale_state<K>(S, exp_ftz(GC));
     if constexpr (kOut) wgmma_fence_operand(oacc);
     wgmma_fence();
     if constexpr (kOut) {
@@ -419,15 +427,17 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     if constexpr (kOut) {
       wgmma_fence_operand(oacc);
       const float* rQ = a.rstd_q != nullptr ? rG + 2 * kChunk : nullptr;
+      const float so[2] = {a.scale * (rQ != nullptr ? rQ[i0] : 1.f),
+                           a.scale * (rQ != nullptr ? rQ[i1] : 1.f)};  // before any store
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int t = half ? i1 : i0;
         if (t < len) {
-          const float so = a.scale * (rQ != nullptr ? rQ[t] : 1.f);
           Out* op = a.o + ((cs.start + t) * HV + hv) * V + 64 * wg + 2 * q;
 #pragma unroll
           for (int j = 0; j < 8; ++j)
-            store2(op + 8 * j, so * oacc[4 * j + 2 * half], so * oacc[4 * j + 2 * half + 1]);
+            store2(op + 8 * j, so[half] * oacc[4 * j + 2 * half],
+                   so[half] * oacc[4 * j + 2 * half + 1]);
         }
       }
     }

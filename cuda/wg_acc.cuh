@@ -3,6 +3,12 @@
 // in its warpgroup, g = lane / 4, q = lane % 4); a K x 64 state is K / 64 such accumulators
 // (rows 64 b..). Loading them, storing them as swizzled slabs or to global memory, the Att gate
 // and the state update, shared by the walks and the output kernel.
+//
+// Slab transfers move 8x8 matrices with ldmatrix / stmatrix, four a warp instruction: for the
+// column pieces j, j + 1 of a warp's 16 rows, matrix m = 0..3 is (rows 8 (m % 2).., piece
+// j + m / 2), so a thread's register m is its pair 4 j + 2 (m % 2) + 4 (m / 2) of the
+// accumulator, and lane l addresses row l % 8 of matrix l / 8 (each 8-column piece is one
+// 16-byte unit of the 128-byte swizzle).
 #pragma once
 
 #include "fwd_common.cuh"
@@ -10,20 +16,44 @@
 
 namespace jax_cake_gdn {
 
+// Row and column (within a piece pair) of the 8-column piece that lane addresses in an x4 group.
+__device__ __forceinline__ int wg_x4_row(int wq) {
+  const int lane = threadIdx.x & 31;
+  return 16 * wq + (lane & 7) + 8 * ((lane >> 3) & 1);
+}
+__device__ __forceinline__ int wg_x4_col() { return 8 * ((threadIdx.x & 31) >> 4); }
+
 // A 64 x 64 accumulator from a bf16 swizzled slab (row r, column c at sw128_offset(r, c); the
-// layout wg_store_slab writes): each thread reads its pairs as 32-bit words.
+// layout wg_store_slab writes).
 __device__ __forceinline__ void wg_load_slab64(float (&acc)[32], const unsigned char* slab,
                                                int wq) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const int row = wg_x4_row(wq), col = wg_x4_col();
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; j += 2) {
+    uint32_t r[4];
+    ldsm_x4(r, slab + sw128_offset(row, 8 * j + col));
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(
-          slab + sw128_offset(16 * wq + g + 8 * half, 8 * j + 2 * q));
-      acc[4 * j + 2 * half] = __low2float(x);
-      acc[4 * j + 2 * half + 1] = __high2float(x);
+    for (int m = 0; m < 4; ++m) {
+      const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&r[m]);
+      acc[4 * j + 2 * m] = __low2float(x);
+      acc[4 * j + 2 * m + 1] = __high2float(x);
     }
+  }
+}
+
+// Rows 0..63 (times s0 for rows 16 wq + g, s1 for 16 wq + g + 8) of a 64 x N accumulator x as
+// bf16 into a swizzled slab at columns col0.. (row r at slab rows row0 + r).
+template <int N>
+__device__ __forceinline__ void wg_stsm_rows(const float (&x)[N / 2], unsigned char* slab,
+                                             int wq, int row0, int col0, float s0, float s1) {
+  static_assert(N % 16 == 0, "pairs of 8-column pieces");
+  const int row = row0 + wg_x4_row(wq), col = col0 + wg_x4_col();
+#pragma unroll
+  for (int j = 0; j < N / 8; j += 2)
+    stsm_x4(slab + sw128_offset(row, 8 * j + col), pack_bf16(s0 * x[4 * j], s0 * x[4 * j + 1]),
+            pack_bf16(s1 * x[4 * j + 2], s1 * x[4 * j + 3]),
+            pack_bf16(s0 * x[4 * j + 4], s0 * x[4 * j + 5]),
+            pack_bf16(s1 * x[4 * j + 6], s1 * x[4 * j + 7]));
 }
 
 // Sb = bf16(S) for a K x 64 state in K / 64 accumulators (wq: the warp in its warpgroup):
@@ -31,16 +61,8 @@ __device__ __forceinline__ void wg_load_slab64(float (&acc)[32], const unsigned 
 template <int K>
 __device__ __forceinline__ void wg_write_sb(const float (&S)[K / 64][32], unsigned char* Sb,
                                             int wq) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
 #pragma unroll
-  for (int b = 0; b < K / 64; ++b)
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int half = 0; half < 2; ++half)
-        *reinterpret_cast<uint32_t*>(
-            Sb + sw128_offset(64 * b + 16 * wq + g + 8 * half, 8 * j + 2 * q)) =
-            pack_bf16(S[b][4 * j + 2 * half], S[b][4 * j + 2 * half + 1]);
+  for (int b = 0; b < K / 64; ++b) wg_stsm_rows<64>(S[b], Sb, wq, 64 * b, 0, 1.f, 1.f);
 }
 
 // Loads (store = false) or stores the f32 state [K][V] rows at base (tile column 0, row pitch V)
@@ -137,7 +159,9 @@ __device__ __forceinline__ void wg_issue_state_update(float (&S)[K / 64][32],
 // S <- e^{G_C} S + k^T diag(d) v_new of both walks.
 __device__ __forceinline__ float walk_decay(int t, int len, float GC, const float* G,
                                             const float* r) {
-  return t < len ? (r != nullptr ? r[t] : 1.f) * __expf(GC - G[t]) : 0.f;
+  const bool in = t < len;  // no branch: the exponent is -inf beyond the chunk
+  const float e = exp_ftz(in ? GC - G[t] : -INFINITY);
+  return in && r != nullptr ? r[t] * e : e;
 }
 
 // Att = tril_incl(Gam o Q K^T) on a 64 x N wgmma accumulator holding columns col0.. of Q K^T
@@ -161,7 +185,9 @@ __device__ __forceinline__ void wg_gate_scores(float (&att)[N / 2], const float*
       for (int e = 0; e < 2; ++e) {
         const int jj = col0 + 8 * j + 2 * q + e;
         float& a = att[4 * j + 2 * half + e];
-        a = jj <= i ? __expf(gi - sg[min(jj, last)]) * a : 0.f;
+        const bool keep = jj <= i;  // no branch: the exponent is -inf above the diagonal
+        const float x = exp_ftz(keep ? gi - sg[min(jj, last)] : -INFINITY);
+        a = keep ? x * a : 0.f;
         if (rs != nullptr) a *= rs[jj];
       }
   }
@@ -174,16 +200,7 @@ template <int N>
 __device__ __forceinline__ void wg_store_slab(const float (&x)[N / 2], unsigned char* slab,
                                               int wq, int col0 = 0, float s0 = 1.f,
                                               float s1 = 1.f) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-#pragma unroll
-  for (int j = 0; j < N / 8; ++j)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float s = half ? s1 : s0;
-      *reinterpret_cast<uint32_t*>(
-          slab + sw128_offset(16 * wq + g + 8 * half, col0 + 8 * j + 2 * q)) =
-          pack_bf16(s * x[4 * j + 2 * half], s * x[4 * j + 2 * half + 1]);
-    }
+  wg_stsm_rows<N>(x, slab, wq, 0, col0, s0, s1);
 }
 
 }  // namespace jax_cake_gdn
