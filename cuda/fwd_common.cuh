@@ -136,8 +136,8 @@ __device__ __forceinline__ void lds8(const float* p, float (&f)[8]) {
   f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
-__device__ __forceinline__ void lds8(const bf16* p, float (&f)[8]) {
-  const uint4 v = *reinterpret_cast<const uint4*>(p);
+// 8 bf16 held in a uint4 -> float[8].
+__device__ __forceinline__ void unpack8(const uint4 v, float (&f)[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -145,6 +145,10 @@ __device__ __forceinline__ void lds8(const bf16* p, float (&f)[8]) {
     f[2 * i] = x.x;
     f[2 * i + 1] = x.y;
   }
+}
+
+__device__ __forceinline__ void lds8(const bf16* p, float (&f)[8]) {
+  unpack8(*reinterpret_cast<const uint4*>(p), f);
 }
 
 // float[8] * s -> 8 bf16 in one 16-byte shared store.

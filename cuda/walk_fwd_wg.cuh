@@ -143,6 +143,9 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   constexpr int kCompute = 2 * V;  // compute threads; the producer warpgroup follows them
   constexpr int kLoaders = 128;
   constexpr int kCopyUnroll = 2;  // cp.async pieces per issue-loop step (ptxas spills at 4)
+  // kOut with bf16 q: the compute warps copy q themselves (a chunk ahead; the producer is the
+  // busier role), f32 q is rounded on the way by the producer.
+  constexpr bool kComputeQ = kOut && std::is_same_v<In, bf16>;
   static_assert(walk_fwd_wg_threads<V>() == kCompute + kLoaders, "one producer warpgroup");
   constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup (kOut)
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -225,7 +228,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
                                                     ScaleOne{});
         }
         cp_async_commit();
-        copy_qk(a.q, q_slabs(b), cs.start, cs.len);
+        if constexpr (!kComputeQ) copy_qk(a.q, q_slabs(b), cs.start, cs.len);
         copy_qk(a.k, k_slabs(b), cs.start, cs.len);
         cp_async_commit();
         cp_async_wait<1>();
@@ -233,19 +236,23 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         {  // A_u = bf16(A diag(beta)) in place, A_w = bf16(A diag(beta e^G r))
           using P = TilePieces<kChunk, kChunk, kLoaders>;
           const int c8 = P::col();
-          const float* rB = r + 3 * kChunk;
-          float fw[8];
+          float fu[8], fw[8];  // this thread's columns c8..: beta, beta e^G r
+          lds8(r + 3 * kChunk + c8, fu);
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             const int j = c8 + e;
-            fw[e] = rB[j] * exp_ftz(r[j]) * (a.rstd != nullptr ? r[kChunk + j] : 1.f);
+            fw[e] = fu[e] * exp_ftz(r[j]) * (a.rstd != nullptr ? r[kChunk + j] : 1.f);
           }
-#pragma unroll 1
+          uint4 raw[P::kPer];  // every piece loaded before any is written
+#pragma unroll
+          for (int p = 0; p < P::kPer; ++p)
+            raw[p] = *reinterpret_cast<const uint4*>(
+                Au + sw128_offset(P::row0() + p * P::kRowStep, c8));
+#pragma unroll
           for (int p = 0; p < P::kPer; ++p) {
             const uint32_t off = sw128_offset(P::row0() + p * P::kRowStep, c8);
-            float f[8], fu[8];
-            lds8(reinterpret_cast<const bf16*>(Au + off), f);
-            lds8(rB + c8, fu);
+            float f[8];
+            unpack8(raw[p], f);
             uint4 xu, xw;
             xu.x = pack_bf16(f[0] * fu[0], f[1] * fu[1]);
             xu.y = pack_bf16(f[2] * fu[2], f[3] * fu[3]);
@@ -319,13 +326,29 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   }
 
   const int i0 = 16 * wq + g, i1 = i0 + 8;  // this thread's accumulator rows
+  // kComputeQ: q of chunk c into its buffer (cp.async, one group)
+  [[maybe_unused]] auto copy_q = [&](const ChunkSpan cs, int b) {
+    if constexpr (kComputeQ) {
+      cp_async_tile_at<kChunk, K, kCompute, kCopyUnroll>(
+          slab_at<kChunk>(q_slabs(b)), a.q + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
+      cp_async_commit();
+    }
+  };
   // The chunk table entries of chunk c + 1 are loaded during chunk c.
   ChunkSpan next = chunk_span(a.cstart, a.clen, c_first, a.num_tokens);
+  if constexpr (kComputeQ) copy_q(next, 0);
   for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
     const ChunkSpan cs = next;
     next = chunk_span(a.cstart, a.clen, min(c + 1, c_last), a.num_tokens);
     const int len = cs.len, last = max(len - 1, 0);
+    if constexpr (kComputeQ) {  // this thread's pieces of q (issued a chunk ago) have landed
+      cp_async_wait_all();
+      fence_proxy_async();
+    }
     __syncthreads();  // chunk c's inputs have landed; chunk c - 1 is done
+    if constexpr (kComputeQ) {
+      if (c < c_last) copy_q(next, b ^ 1);  // its buffer's last reader was chunk c - 1
+    }
 
     const unsigned char* Ks = k_slabs(b);
     const unsigned char* Ws = w_slabs(b);
@@ -429,15 +452,22 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
       const float* rQ = a.rstd_q != nullptr ? rG + 2 * kChunk : nullptr;
       const float so[2] = {a.scale * (rQ != nullptr ? rQ[i0] : 1.f),
                            a.scale * (rQ != nullptr ? rQ[i1] : 1.f)};  // before any store
+      Out* o0 = a.o + (cs.start * HV + hv) * V + 64 * wg;
+      if constexpr (std::is_same_v<Out, bf16>) {  // through the Vd slab (read by product 2)
+        wg_store_slab<64>(oacc, Vd, wq, 0, so[0], so[1]);
+        warpgroup_sync(wg);
+        wg_copy_slab<kChunk>(Vd, o0, int64_t{HV} * V, len, threadIdx.x % 128);
+      } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int t = half ? i1 : i0;
-        if (t < len) {
-          Out* op = a.o + ((cs.start + t) * HV + hv) * V + 64 * wg + 2 * q;
+        for (int half = 0; half < 2; ++half) {
+          const int t = half ? i1 : i0;
+          if (t < len) {
+            Out* op = o0 + t * int64_t{HV} * V + 2 * q;
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            store2(op + 8 * j, so[half] * oacc[4 * j + 2 * half],
-                   so[half] * oacc[4 * j + 2 * half + 1]);
+            for (int j = 0; j < 8; ++j)
+              store2(op + 8 * j, so[half] * oacc[4 * j + 2 * half],
+                     so[half] * oacc[4 * j + 2 * half + 1]);
+          }
         }
       }
     }

@@ -91,16 +91,24 @@ __device__ __forceinline__ void wg_state_rw(float (&S)[K / 64][32], float* base,
       }
 }
 
-// A K x 64 slab of wg_write_sb to global rows of pitch V (bf16) with 16-byte stores, by the 128
-// threads of one warpgroup (t: the thread's index in it).
+// Rows r < rows of a Rows x 64 bf16 swizzled slab to global rows dst + r * ld with 16-byte
+// stores, by the 128 threads of one warpgroup (t: the thread's index in it).
+template <int Rows>
+__device__ __forceinline__ void wg_copy_slab(const unsigned char* slab, bf16* dst, int64_t ld,
+                                             int rows, int t) {
+#pragma unroll 2
+  for (int n = 0; n < Rows * 8 / 128; ++n) {
+    const int i = t + n * 128, r = i / 8, cj = i % 8;
+    if (r < rows)
+      *reinterpret_cast<uint4*>(dst + r * ld + 8 * cj) =
+          *reinterpret_cast<const uint4*>(slab + 128 * r + 16 * (cj ^ (r % 8)));
+  }
+}
+
+// A K x 64 slab of wg_write_sb to global rows of pitch V (bf16).
 template <int K>
 __device__ __forceinline__ void wg_copy_sb(const unsigned char* Sb, bf16* dst, int V, int t) {
-#pragma unroll 2
-  for (int n = 0; n < K * 8 / 128; ++n) {
-    const int i = t + n * 128, r = i / 8, cj = i % 8;
-    *reinterpret_cast<uint4*>(dst + static_cast<int64_t>(r) * V + 8 * cj) =
-        *reinterpret_cast<const uint4*>(Sb + 128 * r + 16 * (cj ^ (r % 8)));
-  }
+  wg_copy_slab<K>(Sb, dst, V, K, t);
 }
 
 // S *= e (the decay of a chunk), before the wgmma fence of an update.
