@@ -24,9 +24,10 @@ from benchmarks import arms, workloads
 from benchmarks.run import make_flush
 
 
-def device_events(trace_dir: str) -> list:
+def device_events(trace_dir: str, host: bool = False) -> list:
     """[(start_us, dur_us, name)] of the GPU stream events in the newest jax.profiler trace under
-    `trace_dir`, sorted by start."""
+    `trace_dir`, sorted by start; host=True: the host threads' events instead (name prefixed by
+    the thread's)."""
     files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
     if not files:
         raise RuntimeError(f"no *.trace.json.gz under {trace_dir}/plugins/profile")
@@ -40,10 +41,14 @@ def device_events(trace_dir: str) -> list:
             tname[(e["pid"], e["tid"])] = e["args"]["name"]
     gpu = {p for p, n in pname.items() if "GPU" in n}
     streams = {k for k, n in tname.items() if k[0] in gpu and n.startswith("Stream")}
-    if not streams:
+    if not streams and not host:
         raise RuntimeError("no GPU stream threads in the trace; processes: "
                            + ", ".join(sorted(pname.values())) + "; GPU threads: "
                            + ", ".join(sorted({n for k, n in tname.items() if k[0] in gpu})))
+    if host:
+        return sorted((float(e["ts"]), float(e.get("dur", 0.0)),
+                       f"[{tname.get((e['pid'], e['tid']), e['tid'])}] {e['name']}")
+                      for e in events if e.get("ph") == "X" and e["pid"] not in gpu)
     out = [(float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
            if e.get("ph") == "X" and (e["pid"], e["tid"]) in streams]
     return sorted(out)
@@ -73,6 +78,13 @@ def timeline(arm, call, flush, trace_dir: str, flush_mib: int) -> None:
     span = prev_end - t0
     print(f"  span {span / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {(span - busy) / 1e3:.3f}"
           f" ms between them", flush=True)
+    # Host side of that call: from the end of the flush before it to the end of its last kernel.
+    h0 = ev[start - 1][0] + ev[start - 1][1] if start > 0 else t0 - 2000.0
+    rows = [e for e in device_events(trace_dir, host=True)
+            if h0 <= e[0] <= prev_end and e[1] >= 5.0]
+    print(f"  host events of that call ({len(rows)} of >= 5 us; us from its first kernel):")
+    for ts, dur, name in rows[:80]:
+        print(f"    {ts - t0:9.1f} +{dur:8.1f}  {name[:100]}")
 
 
 def measure(arm_spec: str, workload: str, op: str, calls: int, flush_mib: int,
