@@ -24,7 +24,8 @@
 //           Att gated (wg_gate_scores) into a slab
 //   Vd = bf16(d v_new)
 //   product 2: S = e^{G_C} S + K^T Vd  (per 64-key block: m64n64, 4 steps; A = k MN-major)
-//     kOut: oacc = e^G oacc + Att Vn;  o = scale rq oacc
+//     kOut: oacc = e^G oacc + Att Vn;  o = scale rq oacc (bf16 o: through the Vd slab, then
+//           16-byte stores of whole rows)
 // Both modes run the state update with the same operands and k16 order (the final states are
 // bit for bit equal, and equal to the one-warpgroup-per-V-tile state walk this replaced). o
 // rounds other operands than the output kernel (which takes bf16(q rq), bf16(k r)), so o agrees
@@ -32,7 +33,9 @@
 // Every input of chunk c + 1 (k, w, u, rows G / rstd; kOut: q, rstd_q) is double-buffered by
 // chunk parity and made by the producer warpgroup (after the compute warpgroups) while the
 // compute warps work on chunk c: it issues the cp.async pieces, waits for them and fences them
-// before it arrives at the barrier that opens chunk c + 1, so the compute warps issue no copies.
+// before it arrives at the barrier that opens chunk c + 1. Only bf16 q (kOut) is copied by the
+// compute warps themselves, a chunk ahead in their own cp.async group (the producer is the
+// busier role: ncu, notes/performance.md, Session 14).
 // The tapes mode copies w and u. kOut makes them (prep's w, u up to bf16 rounding; prep.cuh):
 //   A_u = bf16(A diag(beta)),  A_w = bf16(A diag(beta e^G r))   (A bf16 from solve_a / prep)
 //   u = A_u V,  w = A_w K   (m64n64 wgmma blocks, f32 accumulate, rounded to bf16 into the slabs)
