@@ -16,7 +16,8 @@
 //
 // The light forward's walk: o = output(state_walk(...)) with w, u made on chip from A bf16[NC,
 // HV, 64, 64] (solve_a's) and h, v_new kept there. q, k, v: same dtype (v [T, HV, V]); beta
-// f32[T, HV]; rstd_q f32[T, H] or f32[1]; the rest as state_walk. Launch (both): one CTA of
+// f32[T, HV]; rstd_q f32[T, H] or f32[1]; the rest as state_walk. bf16 q, k, v and A reach the
+// kernel by TMA: the handler encodes their tensor maps (tma.cuh). Launch (both): one CTA of
 // V / 64 compute warpgroups and a producer warpgroup per (segment, value head), grid S x HV
 // (segment-major, in the table's segment order).
 #include "fwd_args.cuh"
@@ -147,6 +148,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
 namespace jax_cake_gdn {
 namespace {
 
+// The tensor maps of walk_output's TMA loads: 64 x 64 boxes of q, k [T, H, K], v [T, HV, V] (a
+// token row of one head) and A [NC * HV * 64, 64]. Returns "" or why not.
+template <typename Out>
+std::string walk_output_maps(WalkFwdArgs<bf16, Out>& a, int64_t T, int64_t H, int64_t HV,
+                             int64_t K, int64_t V, int64_t NC) {
+  const uint32_t box3[3] = {64, 1, kChunk}, box2[2] = {64, kChunk};
+  auto tokens = [&](CUtensorMap* m, const bf16* base, int64_t heads, int64_t D) {
+    const uint64_t dims[3] = {static_cast<uint64_t>(D), static_cast<uint64_t>(heads),
+                              static_cast<uint64_t>(T)};
+    const uint64_t strides[2] = {static_cast<uint64_t>(D) * 2,
+                                 static_cast<uint64_t>(heads * D) * 2};
+    return make_tma_bf16(m, base, 3, dims, strides, box3);
+  };
+  std::string e = tokens(&a.tm_q, a.q, H, K);
+  if (e.empty()) e = tokens(&a.tm_k, a.k, H, K);
+  if (e.empty()) e = tokens(&a.tm_v, a.v, HV, V);
+  if (e.empty()) {
+    const uint64_t dims[2] = {kChunk, static_cast<uint64_t>(NC * HV * kChunk)};
+    const uint64_t strides[1] = {kChunk * 2};
+    e = make_tma_bf16(&a.tm_A, a.A, 2, dims, strides, box2);
+  }
+  return e;
+}
+
 ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::BF16> A,
                             ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
@@ -171,6 +196,8 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   const int64_t NC = chunk_start.dimensions()[0];
   JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
+  JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31) && T < (int64_t{1} << 31),
+                "NC * HV * 64 and T must be below 2^31");
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
                                seg_len.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
@@ -188,6 +215,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   JCG_CHECK_CUDA(poison(stream, o->untyped_data(), o->size_bytes()));
   JCG_CHECK_CUDA(poison(stream, *final_state));
   cudaError_t err = cudaSuccess;
+  std::string map_err;
   dispatch_float_type(q.element_type(), [&](auto tag) {
     using In = typename decltype(tag)::type;
     dispatch_float_type(odt, [&](auto otag) {
@@ -206,6 +234,10 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
           a.rstd_q = has_rq ? rstd_q.typed_data() : nullptr;
           a.o = static_cast<Out*>(o->untyped_data());
           a.scale = scale;
+          if constexpr (std::is_same_v<In, bf16>) {
+            map_err = walk_output_maps(a, T, H, HV, KD, VT, NC);
+            if (!map_err.empty()) return;
+          }
           const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
           err = launch(walk_fwd_wg_kernel<true, In, Out, KD, VT>, grid,
                        walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<true, KD, VT>::bytes, stream, a);
@@ -213,6 +245,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
       });
     });
   });
+  if (!map_err.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": " + map_err);
   JCG_CHECK_CUDA(err);
   return ffi::Error::Success();
 }

@@ -33,16 +33,16 @@
 // Every input of chunk c + 1 (k, w, u, rows G / rstd; kOut: q, rstd_q) is double-buffered by
 // chunk parity and made by the producer warpgroup (after the compute warpgroups) while the
 // compute warps work on chunk c: it issues the cp.async pieces, waits for them and fences them
-// before it arrives at the barrier that opens chunk c + 1. Only bf16 q (kOut) is copied by the
-// compute warps themselves, a chunk ahead in their own cp.async group (the producer is the
-// busier role: ncu, notes/performance.md, Session 14).
+// before it arrives at the barrier that opens chunk c + 1. kOut with bf16 inputs loads q, k, v
+// and A by TMA (tma.cuh; one thread, one mbarrier a buffer), then zeroes the rows past a
+// partial chunk's end (TMA reads on into the next document), as the cp.async zero fill does.
 // The tapes mode copies w and u. kOut makes them (prep's w, u up to bf16 rounding; prep.cuh):
 //   A_u = bf16(A diag(beta)),  A_w = bf16(A diag(beta e^G r))   (A bf16 from solve_a / prep)
 //   u = A_u V,  w = A_w K   (m64n64 wgmma blocks, f32 accumulate, rounded to bf16 into the slabs)
 // with v landing in the u slabs (each 64-column block of u overwrites the v columns it read) and
 // k in its own slabs (the compute warps read it as they are). A diag(.) rounds where prep rounds
 // K diag(.), so o agrees with a walk on prep's w, u to about one bf16 rounding.
-// Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut: 80, for its 32-register
+// Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut: 88, for its 32-register
 // wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at launch,
 // compute 224, kOut 208; tapes at V = 64: 2 CTAs per SM, 128 at launch, compute 200; kOut at
 // V = 64: 1 CTA per SM, no reallocation).
@@ -53,6 +53,7 @@
 
 #include <type_traits>
 
+#include "tma.cuh"
 #include "wg_acc.cuh"
 
 namespace jax_cake_gdn {
@@ -61,6 +62,7 @@ namespace jax_cake_gdn {
 // tapes only.
 template <typename In, typename Out>
 struct WalkFwdArgs {
+  CUtensorMap tm_q, tm_k, tm_v, tm_A;  // kOut with bf16 inputs: the producer's TMA loads
   const In* q;
   const In* k;
   const In* v;
@@ -104,7 +106,8 @@ struct WalkFwdWgSmem {
   static constexpr size_t oAu = oAtt + (kOut ? kSlab : 0);  // kOut: A_u, then A_w (producer)
   static constexpr size_t oAw = oAu + (kOut ? kSlab : 0);
   static constexpr size_t oRows = oAw + (kOut ? kSlab : 0);              // 2 buffers
-  static constexpr size_t bytes = oRows + 2 * kRows + 1024;  // + alignment
+  static constexpr size_t oBar = oRows + 2 * kRows;  // 2 mbarriers (TMA: one a buffer)
+  static constexpr size_t bytes = oBar + 16 + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_fwd_wg: shared memory over the sm_90 limit");
 };
 
@@ -127,7 +130,7 @@ struct WalkFwdWgRegs {
   static constexpr int kThreads = walk_fwd_wg_threads<V>(), kWarpgroups = V / 64;
   static constexpr int kLaunch = 65536 / (kThreads * walk_fwd_wg_ctas<kOut, V>()) / 8 * 8;
   static constexpr bool kRealloc = kLaunch < 255;
-  static constexpr int kProducerRegs = kOut ? 80 : 56;
+  static constexpr int kProducerRegs = kOut ? 88 : 56;
   static constexpr int kComputeRegs =
       ((kWarpgroups + 1) * kLaunch - kProducerRegs) / kWarpgroups / 8 * 8;
   static_assert(!kRealloc || (kComputeRegs >= kLaunch && kComputeRegs <= 256),
@@ -136,7 +139,7 @@ struct WalkFwdWgRegs {
 
 template <bool kOut, typename In, typename Out, int K, int V>
 __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kOut, V>()))
-    walk_fwd_wg_kernel(const WalkFwdArgs<In, Out> a) {
+    walk_fwd_wg_kernel(const __grid_constant__ WalkFwdArgs<In, Out> a) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(V == 64 || V == 128, "V = 64 or 128");
   using Sm = WalkFwdWgSmem<kOut, K, V>;
@@ -146,9 +149,9 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   constexpr int kCompute = 2 * V;  // compute threads; the producer warpgroup follows them
   constexpr int kLoaders = 128;
   constexpr int kCopyUnroll = 2;  // cp.async pieces per issue-loop step (ptxas spills at 4)
-  // kOut with bf16 q: the compute warps copy q themselves (a chunk ahead; the producer is the
-  // busier role), f32 q is rounded on the way by the producer.
-  constexpr bool kComputeQ = kOut && std::is_same_v<In, bf16>;
+  // kOut with bf16 inputs: q, k, v and A come by TMA (one producer thread issues 7 copies a
+  // chunk at K = V = 128); f32 q, k, v are rounded on the way by the producer's loads.
+  constexpr bool kTma = kOut && std::is_same_v<In, bf16>;
   static_assert(walk_fwd_wg_threads<V>() == kCompute + kLoaders, "one producer warpgroup");
   constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup (kOut)
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -175,6 +178,15 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   if (producer) {  // chunk c + 1 into buffer b ^ 1 while the compute warps work on chunk c
     if constexpr (Regs::kRealloc) warpgroup_reg_dealloc<Regs::kProducerRegs>();
     if (empty) return;
+    [[maybe_unused]] uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Sm::oBar);  // kTma
+    if constexpr (kTma) {
+      if (threadIdx.x == kCompute) {
+        mbar_init(bars, 1);
+        mbar_init(bars + 1, 1);
+        mbar_init_fence();
+      }
+      producer_sync();
+    }
     auto copy_qk = [&](const In* src, unsigned char* slabs, int64_t start, int len) {
       const In* p = src + (start * H + hk) * K;
       if constexpr (std::is_same_v<In, bf16>) {
@@ -210,32 +222,52 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     };
     auto copy_chunk = [&](int c, int b, const ChunkSpan cs) {
       float* r = rows(b);
-      if constexpr (kOut) {  // group 1: rows, A (into A_u), v (into the u slabs); 2: q, k
+      if constexpr (kOut) {  // rows; A (into A_u), v (into the u slabs), q, k
         const RowVector vecs[4] = {{r, a.G, HV, hv},
                                    {r + kChunk, a.rstd, H, hk},
                                    {r + 2 * kChunk, a.rstd_q, H, hk},
                                    {r + 3 * kChunk, a.beta, HV, hv}};
         cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+        cp_async_commit();
         unsigned char* Au = smem + Sm::oAu;
         unsigned char* Aw = smem + Sm::oAw;
-        cp_async_tile_at<kChunk, kChunk, kLoaders, kCopyUnroll>(
-            slab_at<kChunk>(Au), a.A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk),
-            kChunk, kChunk);
-        const In* vsrc = a.v + (cs.start * HV + hv) * V;
-        if constexpr (std::is_same_v<In, bf16>) {
-          cp_async_tile_at<kChunk, V, kLoaders, kCopyUnroll>(slab_at<kChunk>(u_slabs(b)), vsrc,
-                                                             int64_t{HV} * V, cs.len);
-        } else {
-          load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)), vsrc,
+        const int row_A = (c * HV + hv) * kChunk, t0 = static_cast<int>(cs.start);
+        if constexpr (kTma) {
+          if (threadIdx.x == kCompute) {
+            uint64_t* bar = bars + b;
+            mbar_arrive_expect_tx(bar, static_cast<uint32_t>(Sm::kSlab + 2 * Sm::kTok +
+                                                             Sm::kWarpgroups * Sm::kSlab));
+            tma_load_2d(Au, &a.tm_A, 0, row_A, bar);
+#pragma unroll
+            for (int j = 0; j < V / 64; ++j)
+              tma_load_3d(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0, bar);
+#pragma unroll
+            for (int j = 0; j < K / 64; ++j) {
+              tma_load_3d(q_slabs(b) + j * Sm::kSlab, &a.tm_q, 64 * j, hk, t0, bar);
+              tma_load_3d(k_slabs(b) + j * Sm::kSlab, &a.tm_k, 64 * j, hk, t0, bar);
+            }
+          }
+          cp_async_wait_all();
+          mbar_wait(bars + b, ((c - c_first) >> 1) & 1);  // buffer b's (c - c_first) / 2-th use
+          if (cs.len < kChunk) {  // rows past the chunk's end: zero, as the cp.async path makes them
+            const int t = threadIdx.x - kCompute;
+            zero_slab_rows<kLoaders>(u_slabs(b), V / 64, cs.len, t);
+            zero_slab_rows<kLoaders>(q_slabs(b), K / 64, cs.len, t);
+            zero_slab_rows<kLoaders>(k_slabs(b), K / 64, cs.len, t);
+          }
+        } else {  // f32 q, k, v: rounded to bf16 on the way
+          cp_async_tile_at<kChunk, kChunk, kLoaders, kCopyUnroll>(
+              slab_at<kChunk>(Au), a.A + static_cast<int64_t>(row_A) * kChunk, kChunk, kChunk);
+          cp_async_commit();
+          load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)),
+                                                    a.v + (cs.start * HV + hv) * V,
                                                     int64_t{HV} * V, max(cs.len, 1),
                                                     ScaleOne{});
+          copy_qk(a.q, q_slabs(b), cs.start, cs.len);
+          copy_qk(a.k, k_slabs(b), cs.start, cs.len);
+          cp_async_wait_all();
         }
-        cp_async_commit();
-        if constexpr (!kComputeQ) copy_qk(a.q, q_slabs(b), cs.start, cs.len);
-        copy_qk(a.k, k_slabs(b), cs.start, cs.len);
-        cp_async_commit();
-        cp_async_wait<1>();
-        producer_sync();  // rows, A, v
+        producer_sync();  // rows, A, v, q, k
         {  // A_u = bf16(A diag(beta)) in place, A_w = bf16(A diag(beta e^G r))
           using P = TilePieces<kChunk, kChunk, kLoaders>;
           const int c8 = P::col();
@@ -270,11 +302,8 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
           }
         }
         fence_proxy_async();
-        producer_sync();  // A_u, A_w, v in the u slabs
+        producer_sync();  // A_u, A_w (and zeroed rows) for the products
         wu_product(Au, u_slabs(b), u_slabs(b), V);
-        cp_async_wait<0>();
-        fence_proxy_async();
-        producer_sync();  // k
         wu_product(Aw, k_slabs(b), w_slabs(b), K);
       } else {
         copy_qk(a.k, k_slabs(b), cs.start, cs.len);
@@ -329,29 +358,13 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   }
 
   const int i0 = 16 * wq + g, i1 = i0 + 8;  // this thread's accumulator rows
-  // kComputeQ: q of chunk c into its buffer (cp.async, one group)
-  [[maybe_unused]] auto copy_q = [&](const ChunkSpan cs, int b) {
-    if constexpr (kComputeQ) {
-      cp_async_tile_at<kChunk, K, kCompute, kCopyUnroll>(
-          slab_at<kChunk>(q_slabs(b)), a.q + (cs.start * H + hk) * K, int64_t{H} * K, cs.len);
-      cp_async_commit();
-    }
-  };
   // The chunk table entries of chunk c + 1 are loaded during chunk c.
   ChunkSpan next = chunk_span(a.cstart, a.clen, c_first, a.num_tokens);
-  if constexpr (kComputeQ) copy_q(next, 0);
   for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
     const ChunkSpan cs = next;
     next = chunk_span(a.cstart, a.clen, min(c + 1, c_last), a.num_tokens);
     const int len = cs.len, last = max(len - 1, 0);
-    if constexpr (kComputeQ) {  // this thread's pieces of q (issued a chunk ago) have landed
-      cp_async_wait_all();
-      fence_proxy_async();
-    }
     __syncthreads();  // chunk c's inputs have landed; chunk c - 1 is done
-    if constexpr (kComputeQ) {
-      if (c < c_last) copy_q(next, b ^ 1);  // its buffer's last reader was chunk c - 1
-    }
 
     const unsigned char* Ks = k_slabs(b);
     const unsigned char* Ws = w_slabs(b);

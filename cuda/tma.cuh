@@ -1,0 +1,116 @@
+// Hopper tensor memory access (TMA): bf16 tiles from global memory straight into 128-byte
+// swizzled shared-memory slabs (the layout wgmma.cuh's sw128_desc reads), completed on an
+// mbarrier.
+//
+// Host: make_tma_bf16 encodes a tensor map (cuTensorMapEncodeTiled, found through the runtime's
+// driver entry point, so nothing links libcuda) for boxes of 64 elements (128 bytes, the swizzle
+// span) x box rows. A kernel takes the map as a member of a __grid_constant__ parameter.
+// Device: one thread arms an mbarrier with the bytes it expects and issues the copies; every
+// thread that reads the tiles waits on the barrier's phase parity. Elements outside the tensor
+// read as zero (and still count as bytes).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+namespace jax_cake_gdn {
+
+// ---------------------------------------------------------------- host
+
+// A tensor map of a bf16 array with dims[0] contiguous: rank dims (innermost first), strides
+// (bytes) of dims 1.., box extents; 128-byte swizzle, so box[0] must be 64. Returns "" or why not.
+inline std::string make_tma_bf16(CUtensorMap* map, const void* base, int rank,
+                                 const uint64_t* dims, const uint64_t* strides,
+                                 const uint32_t* box) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) return "cuTensorMapEncodeTiled is not available from the driver";
+  const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank),
+                            const_cast<void*>(base), dims, strides, box, ones,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed (error " + std::to_string(r) + ")";
+}
+
+// ---------------------------------------------------------------- device
+
+__device__ __forceinline__ uint32_t tma_smem(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tma_smem(bar)), "r"(arrivals)
+               : "memory");
+}
+
+// After mbar_init, before any other thread uses the barrier (then a CTA or named barrier).
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// The arming thread's arrival, with the bytes the phase's copies will deliver.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(tma_smem(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+// Waits until the phase with this parity has completed.
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n"
+      "}\n" ::"r"(tma_smem(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// The box of `map` at coordinates (c0, c1[, c2]) (innermost first) into dst (1024-byte aligned
+// for the swizzle), completing on bar.
+__device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(tma_smem(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(tma_smem(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(tma_smem(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(tma_smem(bar))
+      : "memory");
+}
+
+// Rows len..63 of n consecutive 64-row slabs (128 bytes a row) set to zero by Threads threads
+// (t: this thread's index among them): what TMA read there from beyond a chunk's end.
+template <int Threads>
+__device__ __forceinline__ void zero_slab_rows(unsigned char* slabs, int n, int len, int t) {
+  const int per = (64 - len) * 8;  // 16-byte pieces a slab
+  for (int i = t; i < n * per; i += Threads) {
+    const int sl = i / per, j = i % per;
+    *reinterpret_cast<uint4*>(slabs + sl * 64 * 128 + (len + j / 8) * 128 + 16 * (j % 8)) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+}  // namespace jax_cake_gdn
