@@ -15,7 +15,7 @@ against the separate cuda state_walk + output on prep's w, u (o and the final st
 <= 1e-2), on uneven documents (1, 63, 64, 65, 1000 tokens, empty documents, unused chunk
 capacity; and 1, 12288, 65, 1000), GVA (16, 48) and (2, 6), L2 norm on and off, initial state on
 and off, bf16 and f32 inputs, K = V = 128 and 64; the same under JAX_CAKE_GDN_POISON=1
-(subprocess) with every output finite.
+(subprocess) with every output finite; NaN in one document's q, k, v reaches no other document.
 """
 
 from __future__ import annotations
@@ -533,6 +533,30 @@ def test_gpu_nan_unless_in_place():
         assert np.isfinite(np.asarray(d, np.float32)).all()
     for d in grad(inp["q"], inp["v"], jnp.asarray(bad)):
         assert np.isnan(np.asarray(d, np.float32)).any()
+
+
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+def test_gpu_nan_in_one_document_stays_there(save_mode):
+    """NaN in one document's q, k, v leaves every other document's o and final state bit for bit
+    as without it, also where the document before it ends inside a chunk (the light walk's TMA
+    loads read on past a chunk's end; those rows are zeroed, as cp.async zero-fills them)."""
+    need_gpu()
+    inp = make_inputs(11, DOC_LENS, H=2, HV=6, dtype=jnp.bfloat16, qk_l2norm=True)
+    cu = np.asarray(inp["cu_seqlens"])
+    bad = 3  # 64 tokens right after the 63-token document (its chunk ends one row early)
+    lo, hi = int(cu[bad]), int(cu[bad + 1])
+    o_ref, f_ref = gdn_cuda(inp, True, save_mode)
+    dirty = dict(inp)
+    for n in ("q", "k", "v"):
+        dirty[n] = inp[n].at[:, lo:hi].set(jnp.nan)
+    o, fin = gdn_cuda(dirty, True, save_mode)
+    o, o_ref = np.asarray(o, np.float32), np.asarray(o_ref, np.float32)
+    assert np.isnan(o[:, lo:hi]).all()  # the poisoned document itself
+    keep = np.r_[0:lo, hi:o.shape[1]]
+    assert np.isfinite(o[:, keep]).all()
+    assert np.array_equal(o[:, keep], o_ref[:, keep])
+    others = [d for d in range(len(DOC_LENS)) if d != bad]
+    assert np.array_equal(np.asarray(fin)[others], np.asarray(f_ref)[others])
 
 
 def test_gpu_forward_finite_under_poison():
