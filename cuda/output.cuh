@@ -156,22 +156,14 @@ __global__ void __launch_bounds__(kOutThreads, 1)
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     wgmma_fence_operand(acc);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < K / 16; ++ks)
-      wgmma_m64k16_ss<64, false, true, 1>(
-          acc, sw128_desc(Qs + (ks / 4) * Sm::kSlab + 32 * (ks % 4)),
-          sw128_desc(Hs + p * size_t{K} * 128 + 2048 * ks, K * 128), true);
+    wg_issue_mm64<K>(acc, Qs, Hs + p * size_t{K} * 128, K * 128);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
     wg_scale_rows(acc, eg0, eg1);
     wgmma_fence_operand(acc);
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kChunk / 16; ++ks)
-      wgmma_m64k16_ss<64, false, true, 1>(acc, sw128_desc(AttS + 32 * ks),
-                                          sw128_desc(Vs + p * Sm::kSlab + 2048 * ks, Sm::kSlab),
-                                          true);
+    wg_issue_mm64<kChunk>(acc, AttS, Vs + p * Sm::kSlab, Sm::kSlab);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operand(acc);

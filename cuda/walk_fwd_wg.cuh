@@ -209,10 +209,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         for (int i = 0; i < 32; ++i) acc[i] = 0.f;
         wgmma_fence_operand(acc);
         wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kChunk / 16; ++ks)
-          wgmma_m64k16_ss<64, false, true, 1>(
-              acc, sw128_desc(As + 32 * ks), sw128_desc(X + n * Sm::kSlab + 2048 * ks), true);
+        wg_issue_mm64<kChunk>(acc, As, X + n * Sm::kSlab);
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_fence_operand(acc);
@@ -249,7 +246,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
           }
           cp_async_wait_all();
           mbar_wait(bars + b, ((c - c_first) >> 1) & 1);  // buffer b's (c - c_first) / 2-th use
-          if (cs.len < kChunk) {  // rows past the chunk's end: zero, as the cp.async path makes them
+          if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
             const int t = threadIdx.x - kCompute;
             zero_slab_rows<kLoaders>(u_slabs(b), V / 64, cs.len, t);
             zero_slab_rows<kLoaders>(q_slabs(b), K / 64, cs.len, t);
@@ -394,12 +391,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     wgmma_commit();
     if constexpr (kOut) {
       const unsigned char* Qs = q_slabs(b);
-#pragma unroll
-      for (int ks = 0; ks < K / 16; ++ks) {
-        const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
-        wgmma_m64k16_ss<64, false, true, 1>(oacc, sw128_desc(Qs + kk),
-                                            sw128_desc(Sb + 2048 * ks, K * 128), true);
-      }
+      wg_issue_mm64<K>(oacc, Qs, Sb, K * 128);
 #pragma unroll
       for (int ks = 0; ks < K / 16; ++ks) {  // B: k rows kAttCols wg.. (K-major, 128 B a row)
         const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
@@ -451,11 +443,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     if constexpr (kOut) wgmma_fence_operand(oacc);
     wgmma_fence();
     if constexpr (kOut) {
-      const unsigned char* Vn = smem + Sm::oVn + wg * Sm::kSlab;
-#pragma unroll
-      for (int ks = 0; ks < kChunk / 16; ++ks)
-        wgmma_m64k16_ss<64, false, true, 1>(oacc, sw128_desc(smem + Sm::oAtt + 32 * ks),
-                                            sw128_desc(Vn + 2048 * ks, Sm::kSlab), true);
+      wg_issue_mm64<kChunk>(oacc, smem + Sm::oAtt, smem + Sm::oVn + wg * Sm::kSlab, Sm::kSlab);
     }
     wg_issue_state_update<K>(S, Ks, Vd);
     wgmma_commit();

@@ -122,17 +122,25 @@ __device__ __forceinline__ void wg_scale_state(float (&S)[K / 64][32], float e) 
   }
 }
 
+// Issues acc += kSign A B, a 64 x 64 product over D / 16 k-steps: A = [64][D] as D / 64 K-major
+// slabs, B = [D][64] as one MN-major slab (b_lbo: its descriptor's leading byte offset). The
+// caller fences before and commits / waits after.
+template <int D, int kSign = 1>
+__device__ __forceinline__ void wg_issue_mm64(float (&acc)[32], const unsigned char* A,
+                                              const unsigned char* B, uint32_t b_lbo = 16) {
+  constexpr uint32_t kSlab = kChunk * 128;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks)
+    wgmma_m64k16_ss<64, false, true, kSign>(acc, sw128_desc(A + (ks / 4) * kSlab + 32 * (ks % 4)),
+                                            sw128_desc(B + 2048 * ks, b_lbo), true);
+}
+
 // Issues product 1 of a walk, acc -= Ws Sb (acc holds u): Ws = w as K / 64 K-major slabs
-// [64 tokens][K keys], Sb = bf16(S) as one MN-major slab of K rows (wg_write_sb); K / 16 k-steps.
-// The caller fences before and commits / waits after.
+// [64 tokens][K keys], Sb = bf16(S) as one MN-major slab of K rows (wg_write_sb).
 template <int K>
 __device__ __forceinline__ void wg_issue_product1(float (&acc)[32], const unsigned char* Ws,
                                                   const unsigned char* Sb) {
-  constexpr uint32_t kSlab = kChunk * 128;
-#pragma unroll
-  for (int ks = 0; ks < K / 16; ++ks)
-    wgmma_m64k16_ss<64, false, true, -1>(acc, sw128_desc(Ws + (ks / 4) * kSlab + 32 * (ks % 4)),
-                                         sw128_desc(Sb + 2048 * ks, K * 128), true);
+  wg_issue_mm64<K, -1>(acc, Ws, Sb, K * 128);
 }
 
 // Rows 16 wq + g (times s0) and 16 wq + g + 8 (times s1) of a 64 x 64 accumulator.
