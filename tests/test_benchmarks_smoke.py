@@ -269,6 +269,35 @@ def test_host_time_runs():
         assert r["call_min_ms"] <= r["call_ms"] and r["back_to_back_ms"] > 0
 
 
+def test_host_time_reads_a_trace(tmp_path):
+    """--trace's reader: the GPU stream events of the newest trace, sorted; host events apart."""
+    import gzip
+
+    from benchmarks import host_time
+
+    def meta(pid, tid, kind, name):
+        return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
+
+    events = [meta(1, 0, "process_name", "/host:CPU"), meta(1, 5, "thread_name", "python3"),
+              meta(2, 0, "process_name", "/device:GPU:0"),
+              meta(2, 7, "thread_name", "Stream #7(Compute)"),
+              meta(2, 8, "thread_name", "XLA Ops"),
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 30.0, "dur": 4.0, "name": "walk"},
+              {"ph": "X", "pid": 2, "tid": 7, "ts": 10.0, "dur": 2.0, "name": "flush"},
+              {"ph": "X", "pid": 2, "tid": 8, "ts": 30.0, "dur": 4.0, "name": "op view"},
+              {"ph": "X", "pid": 1, "tid": 5, "ts": 1.0, "dur": 50.0, "name": "call"}]
+    d = tmp_path / "plugins" / "profile" / "run1"
+    d.mkdir(parents=True)
+    with gzip.open(d / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert host_time.device_events(str(tmp_path)) == [(10.0, 2.0, "flush"), (30.0, 4.0, "walk")]
+    assert host_time.device_events(str(tmp_path), host=True) == [(1.0, 50.0, "[python3] call")]
+    with gzip.open(d / "host.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events[:2]}, f)
+    with pytest.raises(RuntimeError, match="no GPU stream threads"):
+        host_time.device_events(str(tmp_path))
+
+
 def test_rel_rms_blocks_match_one_pass():
     import numpy as np
 
