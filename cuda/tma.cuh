@@ -17,6 +17,8 @@
 #include <cstdint>
 #include <string>
 
+#include "fwd_common.cuh"
+
 namespace jax_cake_gdn {
 
 // ---------------------------------------------------------------- host
@@ -47,12 +49,8 @@ inline std::string make_tma_bf16(CUtensorMap* map, const void* base, int rank,
 
 // ---------------------------------------------------------------- device
 
-__device__ __forceinline__ uint32_t tma_smem(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(tma_smem(bar)), "r"(arrivals)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(arrivals)
                : "memory");
 }
 
@@ -63,7 +61,7 @@ __device__ __forceinline__ void mbar_init_fence() {
 
 // The arming thread's arrival, with the bytes the phase's copies will deliver.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(tma_smem(bar)),
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
                "r"(bytes)
                : "memory");
 }
@@ -76,7 +74,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "wait:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait;\n"
-      "}\n" ::"r"(tma_smem(bar)),
+      "}\n" ::"r"(smem_u32(bar)),
       "r"(parity)
       : "memory");
 }
@@ -87,8 +85,8 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const CUtensorMap* map, i
                                             uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(tma_smem(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(tma_smem(bar))
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
 }
 
@@ -96,8 +94,8 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, i
                                             int c2, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(tma_smem(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(tma_smem(bar))
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(bar))
       : "memory");
 }
 
@@ -105,11 +103,11 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const CUtensorMap* map, i
 // (t: this thread's index among them): what TMA read there from beyond a chunk's end.
 template <int Threads>
 __device__ __forceinline__ void zero_slab_rows(unsigned char* slabs, int n, int len, int t) {
-  const int per = (64 - len) * 8;  // 16-byte pieces a slab
+  const int per = (kChunk - len) * 8;  // 16-byte pieces a slab
   for (int i = t; i < n * per; i += Threads) {
     const int sl = i / per, j = i % per;
-    *reinterpret_cast<uint4*>(slabs + sl * 64 * 128 + (len + j / 8) * 128 + 16 * (j % 8)) =
-        make_uint4(0u, 0u, 0u, 0u);
+    sts8_zero(reinterpret_cast<bf16*>(slabs + sl * kChunk * 128 + (len + j / 8) * 128 +
+                                      16 * (j % 8)));
   }
 }
 

@@ -172,6 +172,8 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   auto w_slabs = [&](int b) { return smem + Sm::oWs + b * Sm::kTok; };
   auto u_slabs = [&](int b) { return smem + Sm::oUs + b * Sm::kWarpgroups * Sm::kSlab; };
   auto rows = [&](int b) { return reinterpret_cast<float*>(smem + Sm::oRows + b * Sm::kRows); };
+  // A chunk's table entries (loaded a chunk or two ahead of their use by both roles)
+  auto span = [&](int c) { return chunk_span(a.cstart, a.clen, min(c, c_last), a.num_tokens); };
 
   // The two roles never merge again after this branch (ptxas applies each register limit to its
   // own path only).
@@ -316,7 +318,6 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
     };
     // The chunk table entries of chunk c + 2 are loaded while chunk c + 1 is copied.
-    auto span = [&](int c) { return chunk_span(a.cstart, a.clen, min(c, c_last), a.num_tokens); };
     ChunkSpan next = span(c_first + 1);
     copy_chunk(c_first, 0, span(c_first));
     for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
@@ -356,10 +357,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
 
   const int i0 = 16 * wq + g, i1 = i0 + 8;  // this thread's accumulator rows
   // The chunk table entries of chunk c + 1 are loaded during chunk c.
-  ChunkSpan next = chunk_span(a.cstart, a.clen, c_first, a.num_tokens);
+  ChunkSpan next = span(c_first);
   for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
     const ChunkSpan cs = next;
-    next = chunk_span(a.cstart, a.clen, min(c + 1, c_last), a.num_tokens);
+    next = span(c + 1);
     const int len = cs.len, last = max(len - 1, 0);
     __syncthreads();  // chunk c's inputs have landed; chunk c - 1 is done
 
