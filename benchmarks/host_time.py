@@ -7,7 +7,7 @@ Per arm: `--calls` calls after an L2 flush (as benchmarks.run), then `--calls` b
 no flush. Prints the medians and minima; never asserts on them. `--trace DIR` also records three
 flushed calls with `jax.profiler` (JAX arms) and prints the device timeline of the last one:
 every kernel with its duration and the idle time before it (the launch gaps that a sum of ncu
-kernel times does not show).
+kernel times does not show), then that call's host events.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from benchmarks import arms, workloads
 from benchmarks.run import make_flush
 
 
-def device_events(trace_dir: str, host: bool = False) -> list:
-    """[(start_us, dur_us, name)] of the GPU stream events in the newest jax.profiler trace under
-    `trace_dir`, sorted by start; host=True: the host threads' events instead (name prefixed by
-    the thread's)."""
+def trace_events(trace_dir: str) -> tuple:
+    """(device, host) events of the newest jax.profiler trace under `trace_dir`, each a sorted
+    list of (start_us, dur_us, name): device = the GPU stream threads' events, host = every
+    other process's (name prefixed by its thread's). Raises when the trace has no GPU stream."""
     files = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
     if not files:
         raise RuntimeError(f"no *.trace.json.gz under {trace_dir}/plugins/profile")
@@ -41,17 +41,21 @@ def device_events(trace_dir: str, host: bool = False) -> list:
             tname[(e["pid"], e["tid"])] = e["args"]["name"]
     gpu = {p for p, n in pname.items() if "GPU" in n}
     streams = {k for k, n in tname.items() if k[0] in gpu and n.startswith("Stream")}
-    if not streams and not host:
+    if not streams:
         raise RuntimeError("no GPU stream threads in the trace; processes: "
                            + ", ".join(sorted(pname.values())) + "; GPU threads: "
                            + ", ".join(sorted({n for k, n in tname.items() if k[0] in gpu})))
-    if host:
-        return sorted((float(e["ts"]), float(e.get("dur", 0.0)),
-                       f"[{tname.get((e['pid'], e['tid']), e['tid'])}] {e['name']}")
-                      for e in events if e.get("ph") == "X" and e["pid"] not in gpu)
-    out = [(float(e["ts"]), float(e.get("dur", 0.0)), e["name"]) for e in events
-           if e.get("ph") == "X" and (e["pid"], e["tid"]) in streams]
-    return sorted(out)
+    device, host = [], []
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        key = (e["pid"], e["tid"])
+        if key in streams:
+            device.append((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]))
+        elif e["pid"] not in gpu:
+            host.append((float(e["ts"]), float(e.get("dur", 0.0)),
+                         f"[{tname.get(key, e['tid'])}] {e['name']}"))
+    return sorted(device), sorted(host)
 
 
 def timeline(arm, call, flush, trace_dir: str, flush_mib: int) -> None:
@@ -62,7 +66,7 @@ def timeline(arm, call, flush, trace_dir: str, flush_mib: int) -> None:
         for _ in range(3):
             flush()
             arm.sync(call())
-    ev = device_events(trace_dir)
+    ev, host = trace_events(trace_dir)
     # With a flush, the trace starts with the flush kernel and each call follows one.
     start = 0
     if flush_mib > 0:
@@ -80,8 +84,7 @@ def timeline(arm, call, flush, trace_dir: str, flush_mib: int) -> None:
           f" ms between them", flush=True)
     # Host side of that call: from the end of the flush before it to the end of its last kernel.
     h0 = ev[start - 1][0] + ev[start - 1][1] if start > 0 else t0 - 2000.0
-    rows = [e for e in device_events(trace_dir, host=True)
-            if h0 <= e[0] <= prev_end and e[1] >= 5.0]
+    rows = [e for e in host if h0 <= e[0] <= prev_end and e[1] >= 5.0]
     print(f"  host events of that call ({len(rows)} of >= 5 us; us from its first kernel):")
     for ts, dur, name in rows[:80]:
         print(f"    {ts - t0:9.1f} +{dur:8.1f}  {name[:100]}")

@@ -290,12 +290,13 @@ def test_host_time_reads_a_trace(tmp_path):
     d.mkdir(parents=True)
     with gzip.open(d / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    assert host_time.device_events(str(tmp_path)) == [(10.0, 2.0, "flush"), (30.0, 4.0, "walk")]
-    assert host_time.device_events(str(tmp_path), host=True) == [(1.0, 50.0, "[python3] call")]
+    device, host = host_time.trace_events(str(tmp_path))
+    assert device == [(10.0, 2.0, "flush"), (30.0, 4.0, "walk")]
+    assert host == [(1.0, 50.0, "[python3] call")]
     with gzip.open(d / "host.trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events[:2]}, f)
     with pytest.raises(RuntimeError, match="no GPU stream threads"):
-        host_time.device_events(str(tmp_path))
+        host_time.trace_events(str(tmp_path))
 
 
 def test_rel_rms_blocks_match_one_pass():
