@@ -56,6 +56,16 @@ WalkFwdArgs<In, Out> walk_args(const ffi::AnyBuffer& k, const ffi::Buffer<ffi::F
   return a;
 }
 
+// A TMA map of a bf16 [T, heads, D] token array: 64 x 64 boxes (64 tokens of one head, 64 of
+// its D columns). Returns "" or why not.
+std::string token_map(CUtensorMap* m, const void* base, int64_t T, int64_t heads, int64_t D) {
+  const uint64_t dims[3] = {static_cast<uint64_t>(D), static_cast<uint64_t>(heads),
+                            static_cast<uint64_t>(T)};
+  const uint64_t strides[2] = {static_cast<uint64_t>(D) * 2, static_cast<uint64_t>(heads * D) * 2};
+  const uint32_t box[3] = {64, 1, kChunk};
+  return make_tma_bf16(m, base, 3, dims, strides, box);
+}
+
 ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::BF16> w,
                            ffi::Buffer<ffi::BF16> u, ffi::Buffer<ffi::F32> G,
                            ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> rstd_k,
@@ -93,10 +103,13 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   JCG_CHECK_ARG(dims_are(final_state->dimensions(), {S, HV, K, V}),
                 "final must be f32[S, HV, K, V], got shape " + dims_str(final_state->dimensions()));
 
+  JCG_CHECK_ARG(T < (int64_t{1} << 31), "T must be below 2^31");
+
   JCG_CHECK_CUDA(poison(stream, *h));
   JCG_CHECK_CUDA(poison(stream, *v_new));
   JCG_CHECK_CUDA(poison(stream, *final_state));
   cudaError_t err = cudaSuccess;
+  std::string map_err;
   dispatch_float_type(k.element_type(), [&](auto tag) {
     using In = typename decltype(tag)::type;
     dispatch_head_dim(K, [&](auto kdim) {
@@ -110,12 +123,19 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
         a.u = static_cast<const bf16*>(u.untyped_data());
         a.h = static_cast<bf16*>(h->untyped_data());
         a.v_new = static_cast<bf16*>(v_new->untyped_data());
+        if constexpr (std::is_same_v<In, bf16>) {  // the producer's TMA loads of k, w, u
+          map_err = token_map(&a.tm_k, a.k, T, H, KD);
+          if (map_err.empty()) map_err = token_map(&a.tm_w, a.w, T, HV, KD);
+          if (map_err.empty()) map_err = token_map(&a.tm_u, a.u, T, HV, VT);
+          if (!map_err.empty()) return;
+        }
         const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
         err = launch(walk_fwd_wg_kernel<false, In, bf16, KD, VT>, grid,
                      walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<false, KD, VT>::bytes, stream, a);
       });
     });
   });
+  if (!map_err.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": " + map_err);
   JCG_CHECK_CUDA(err);
   return ffi::Error::Success();
 }
@@ -148,26 +168,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
 namespace jax_cake_gdn {
 namespace {
 
-// The tensor maps of walk_output's TMA loads: 64 x 64 boxes of q, k [T, H, K], v [T, HV, V] (a
-// token row of one head) and A [NC * HV * 64, 64]. Returns "" or why not.
+// The tensor maps of walk_output's TMA loads: q, k, v (token_map) and A [NC * HV * 64, 64].
+// Returns "" or why not.
 template <typename Out>
 std::string walk_output_maps(WalkFwdArgs<bf16, Out>& a, int64_t T, int64_t H, int64_t HV,
                              int64_t K, int64_t V, int64_t NC) {
-  const uint32_t box3[3] = {64, 1, kChunk}, box2[2] = {64, kChunk};
-  auto tokens = [&](CUtensorMap* m, const bf16* base, int64_t heads, int64_t D) {
-    const uint64_t dims[3] = {static_cast<uint64_t>(D), static_cast<uint64_t>(heads),
-                              static_cast<uint64_t>(T)};
-    const uint64_t strides[2] = {static_cast<uint64_t>(D) * 2,
-                                 static_cast<uint64_t>(heads * D) * 2};
-    return make_tma_bf16(m, base, 3, dims, strides, box3);
-  };
-  std::string e = tokens(&a.tm_q, a.q, H, K);
-  if (e.empty()) e = tokens(&a.tm_k, a.k, H, K);
-  if (e.empty()) e = tokens(&a.tm_v, a.v, HV, V);
+  std::string e = token_map(&a.tm_q, a.q, T, H, K);
+  if (e.empty()) e = token_map(&a.tm_k, a.k, T, H, K);
+  if (e.empty()) e = token_map(&a.tm_v, a.v, T, HV, V);
   if (e.empty()) {
     const uint64_t dims[2] = {kChunk, static_cast<uint64_t>(NC * HV * kChunk)};
     const uint64_t strides[1] = {kChunk * 2};
-    e = make_tma_bf16(&a.tm_A, a.A, 2, dims, strides, box2);
+    const uint32_t box[2] = {64, kChunk};
+    e = make_tma_bf16(&a.tm_A, a.A, 2, dims, strides, box);
   }
   return e;
 }

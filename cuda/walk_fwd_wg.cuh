@@ -62,7 +62,8 @@ namespace jax_cake_gdn {
 // tapes only.
 template <typename In, typename Out>
 struct WalkFwdArgs {
-  CUtensorMap tm_q, tm_k, tm_v, tm_A;  // kOut with bf16 inputs: the producer's TMA loads
+  // bf16 inputs: the producer's TMA loads (kOut: q, k, v, A; tapes: k, w, u)
+  CUtensorMap tm_q, tm_k, tm_v, tm_A, tm_w, tm_u;
   const In* q;
   const In* k;
   const In* v;
@@ -149,9 +150,9 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   constexpr int kCompute = 2 * V;  // compute threads; the producer warpgroup follows them
   constexpr int kLoaders = 128;
   constexpr int kCopyUnroll = 2;  // cp.async pieces per issue-loop step (ptxas spills at 4)
-  // kOut with bf16 inputs: q, k, v and A come by TMA (one producer thread issues 7 copies a
-  // chunk at K = V = 128); f32 q, k, v are rounded on the way by the producer's loads.
-  constexpr bool kTma = kOut && std::is_same_v<In, bf16>;
+  // bf16 inputs: the producer's tiles come by TMA (one thread issues 7 copies a chunk at K = V =
+  // 128; kOut: q, k, v, A; tapes: k, w, u); f32 q, k, v are rounded on the way by its loads.
+  constexpr bool kTma = std::is_same_v<In, bf16>;
   static_assert(walk_fwd_wg_threads<V>() == kCompute + kLoaders, "one producer warpgroup");
   constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup (kOut)
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   if (producer) {  // chunk c + 1 into buffer b ^ 1 while the compute warps work on chunk c
     if constexpr (Regs::kRealloc) warpgroup_reg_dealloc<Regs::kProducerRegs>();
     if (empty) return;
-    [[maybe_unused]] uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Sm::oBar);  // kTma
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Sm::oBar);  // kTma: one a buffer
     if constexpr (kTma) {
       if (threadIdx.x == kCompute) {
         mbar_init(bars, 1);
@@ -189,15 +190,11 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
       }
       producer_sync();
     }
+    // f32 q or k of a chunk, rounded to bf16 on the way (plain loads; bf16 comes by TMA)
     auto copy_qk = [&](const In* src, unsigned char* slabs, int64_t start, int len) {
-      const In* p = src + (start * H + hk) * K;
-      if constexpr (std::is_same_v<In, bf16>) {
-        cp_async_tile_at<kChunk, K, kLoaders, kCopyUnroll>(slab_at<kChunk>(slabs), p,
-                                                           int64_t{H} * K, len);
-      } else {  // f32: rounded to bf16 on the way (plain loads)
-        load_tile_bf16_at<kChunk, K, 4, kLoaders>(slab_at<kChunk>(slabs), p, int64_t{H} * K,
-                                                  max(len, 1), ScaleOne{});
-      }
+      load_tile_bf16_at<kChunk, K, 4, kLoaders>(slab_at<kChunk>(slabs),
+                                                src + (start * H + hk) * K, int64_t{H} * K,
+                                                max(len, 1), ScaleOne{});
     };
     // kOut: out = A_s X as bf16 slabs, one 64-column slab at a time (D columns; A_s: A_u or A_w,
     // one K-major slab; X: [64 tokens][D] slabs, MN-major B). out may be X itself: a slab is
@@ -304,16 +301,44 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         producer_sync();  // A_u, A_w (and zeroed rows) for the products
         wu_product(Au, u_slabs(b), u_slabs(b), V);
         wu_product(Aw, k_slabs(b), w_slabs(b), K);
-      } else {
-        copy_qk(a.k, k_slabs(b), cs.start, cs.len);
+      } else {  // tapes: rows; k, w, u
         const RowVector vecs[2] = {{r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}};
         cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
-        cp_async_tile_at<kChunk, K, kLoaders, kCopyUnroll>(
-            slab_at<kChunk>(w_slabs(b)), a.w + (cs.start * HV + hv) * K, int64_t{HV} * K, cs.len);
-        cp_async_tile_at<kChunk, V, kLoaders, kCopyUnroll>(
-            slab_at<kChunk>(u_slabs(b)), a.u + (cs.start * HV + hv) * V, int64_t{HV} * V, cs.len);
-        cp_async_commit();
-        cp_async_wait_all();
+        if constexpr (kTma) {
+          cp_async_commit();
+          const int t0 = static_cast<int>(cs.start);
+          if (threadIdx.x == kCompute) {
+            uint64_t* bar = bars + b;
+            mbar_arrive_expect_tx(bar, static_cast<uint32_t>(2 * Sm::kTok +
+                                                             Sm::kWarpgroups * Sm::kSlab));
+#pragma unroll
+            for (int j = 0; j < K / 64; ++j) {
+              tma_load_3d(k_slabs(b) + j * Sm::kSlab, &a.tm_k, 64 * j, hk, t0, bar);
+              tma_load_3d(w_slabs(b) + j * Sm::kSlab, &a.tm_w, 64 * j, hv, t0, bar);
+            }
+#pragma unroll
+            for (int j = 0; j < V / 64; ++j)
+              tma_load_3d(u_slabs(b) + j * Sm::kSlab, &a.tm_u, 64 * j, hv, t0, bar);
+          }
+          cp_async_wait_all();
+          mbar_wait(bars + b, ((c - c_first) >> 1) & 1);
+          if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
+            const int t = threadIdx.x - kCompute;
+            zero_slab_rows<kLoaders>(k_slabs(b), K / 64, cs.len, t);
+            zero_slab_rows<kLoaders>(w_slabs(b), K / 64, cs.len, t);
+            zero_slab_rows<kLoaders>(u_slabs(b), V / 64, cs.len, t);
+          }
+        } else {
+          copy_qk(a.k, k_slabs(b), cs.start, cs.len);
+          cp_async_tile_at<kChunk, K, kLoaders, kCopyUnroll>(
+              slab_at<kChunk>(w_slabs(b)), a.w + (cs.start * HV + hv) * K, int64_t{HV} * K,
+              cs.len);
+          cp_async_tile_at<kChunk, V, kLoaders, kCopyUnroll>(
+              slab_at<kChunk>(u_slabs(b)), a.u + (cs.start * HV + hv) * V, int64_t{HV} * V,
+              cs.len);
+          cp_async_commit();
+          cp_async_wait_all();
+        }
       }
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
     };
