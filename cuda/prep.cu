@@ -70,7 +70,7 @@ cudaError_t launch_prep(cudaStream_t stream, const ffi::AnyBuffer& k, const void
     using In = typename decltype(tag)::type;
     dispatch_head_dim(K, [&](auto kdim) {
       constexpr int KD = decltype(kdim)::value;
-      // 4 CTAs/SM (<= 128 registers, 4 x (52.5 + 1) KB shared) need the largest carveout.
+      // prep_min_ctas CTAs/SM need the largest carveout.
       err = cudaFuncSetAttribute(prep_kernel<In, KD, kWU>,
                                  cudaFuncAttributePreferredSharedMemoryCarveout,
                                  cudaSharedmemCarveoutMaxShared);

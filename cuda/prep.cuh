@@ -10,7 +10,8 @@
 // A Vb run on tensor cores (mma.sync m16n8k16, f32 accumulate; warp w owns rows 16w..16w+15).
 // prep reads k once for both of its scaled copies; with bf16 inputs k and v arrive by cp.async
 // and are scaled in place (v only after the diagonal solve, so its load hides behind K K^T).
-// prep runs 4 CTAs/SM (__launch_bounds__(128, 4): <= 128 registers; 52.5 KB shared each).
+// prep runs 4 CTAs/SM (<= 128 registers, 52.5 KB shared each); solve_a at K = 128 runs 6
+// (<= 80 registers, 35.5 KB), latency-bound as it is (prep_min_ctas).
 // prep and wy build w and u with the same code from the same bf16 values (wy_load_tiles,
 // wy_store), so prep's w, u equal wy's on prep's A bit for bit (light == full in the backward).
 //
@@ -188,6 +189,12 @@ __device__ __forceinline__ void store_c16(float* p, int ld, const float (&c)[2][
   }
 }
 
+// Resident CTAs per SM that prep_kernel<., K, kWU> is compiled for (at 6, K = 64 spills).
+template <int K, bool kWU>
+constexpr int prep_min_ctas() {
+  return !kWU && K == 128 ? 6 : 4;
+}
+
 // kWU = false (solve_a): no v tile (Ks only stages the raw k).
 template <int K, bool kWU = true>
 struct PrepSmem {
@@ -198,8 +205,9 @@ struct PrepSmem {
   static constexpr size_t kA = kKr > kAf ? kKr : kAf;  // the k tile, then A (after K K^T)
   static constexpr size_t kX = WySmem::kX;
   static constexpr size_t bytes = kA + (kWU ? 2 : 1) * kX + 2 * kChunk * sizeof(float);
-  // 4 CTAs/SM: 228 KB per SM, 1 KB reserved per CTA
-  static_assert(4 * (bytes + 1024) <= 228 * 1024, "prep no longer fits 4 CTAs/SM");
+  // 4 CTAs/SM (solve_a at K = 128: 6): 228 KB per SM, 1 KB reserved per CTA
+  static_assert(prep_min_ctas<K, kWU>() * (bytes + 1024) <= 228 * 1024,
+                "prep no longer fits its CTAs/SM");
 };
 
 // Warp w's 16 x 16 f32 scratch (pitch AP) inside A's upper triangle, which is never stored:
@@ -318,7 +326,7 @@ __device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, cons
 // kWU = false (solve_a): A only; v, w, u unused (may be null), V ignored. A is the same either
 // way (the same code up to prep_write_a).
 template <typename In, int K, bool kWU = true>
-__global__ void __launch_bounds__(kPrepThreads, 4)
+__global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
     prep_kernel(const In* __restrict__ k, const In* __restrict__ v,
                 const float* __restrict__ beta, const float* __restrict__ G,
                 const float* __restrict__ rstd,  // nullable
