@@ -312,3 +312,30 @@ def test_rel_rms_blocks_match_one_pass():
     assert np.isnan(run.rel_rms(x, ref, block=64))
     with pytest.raises(ValueError, match="elements"):
         run.rel_rms(x[:2], ref)
+
+
+def test_ncu_stalls_reads_an_export(tmp_path, capsys):
+    from benchmarks import ncu_stalls
+
+    hdr = ["Address", "Source", ncu_stalls.SAMPLES, "stall_barrier", "stall_long_sb",
+           "stall_barrier (Not Issued)"]
+    rows = [["0x0", "LDG.E R2, [R4]", "3", "0", "3", "0"],
+            ["0x10", "BAR.SYNC.DEFER_BLOCKING 0x0", "1", "1", "0", "1"],
+            ["0x20", "FADD R1, R2, R3", "10", "9", "1", "9"],
+            ["0x30", "EXIT", "0", "0", "0", "0"]]
+    lines = ['"Kernel Name","k(int)"', ",".join(f'"{h}"' for h in hdr)]
+    lines += [",".join(f'"{c}"' for c in r) for r in rows]
+    path = tmp_path / "k.csv"
+    path.write_text("\n".join(lines) + "\n")
+    instrs = ncu_stalls.read_sass_csv(str(path))
+    assert [i.samples for i in instrs] == [3, 1, 10, 0]
+    assert ncu_stalls.by_reason(instrs) == {"stall_barrier": 10, "stall_long_sb": 4}
+    assert [(a, b, s) for a, b, _, s in ncu_stalls.regions(instrs, ["BAR.SYNC"])] == \
+        [(0, 1, 4), (2, 3, 10)]
+    assert ncu_stalls.main([str(path), "--top", "2", "--split", "BAR.SYNC"]) == 0
+    out = capsys.readouterr().out
+    assert "14 samples" in out and "barrier 71.4%" in out
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="--page source"):
+        ncu_stalls.read_sass_csv(str(bad))
