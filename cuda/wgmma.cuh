@@ -188,6 +188,63 @@ __device__ __forceinline__ void wgmma_m64k16_ss(float (&d)[N / 2], uint64_t desc
   }
 }
 
+// The register form: A[64 x 16] from registers a (bf16 pairs in the accumulator's row / column
+// mapping, see wg_acc_to_a), B by descriptor as above; N in {32, 64, 128}. The registers of a
+// must stay unchanged until the wgmma_wait that covers this product, and be written before the
+// batch's wgmma_fence (ptxas otherwise inserts a warpgroup.arrive before the product: C7519).
+template <int N, bool kMnB, int kScaleA>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 2], const uint32_t (&a)[4],
+                                                uint64_t desc_b, bool accumulate) {
+  static_assert(N == 32 || N == 64 || N == 128, "N = 32, 64 or 128");
+  static_assert(kScaleA == 1 || kScaleA == -1, "scale of A: 1 or -1");
+  if constexpr (N == 32) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, %22, 1, %23;\n}\n"
+        : JCG_WGMMA_D16
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b),
+          "r"(static_cast<int>(accumulate)), "n"(kScaleA), "n"(kMnB ? 1 : 0));
+  } else if constexpr (N == 64) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, %38, 1, %39;\n}\n"
+        : JCG_WGMMA_D16, JCG_WGMMA_D32_HI
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b),
+          "r"(static_cast<int>(accumulate)), "n"(kScaleA), "n"(kMnB ? 1 : 0));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, %70, 1, %71;\n}\n"
+        : JCG_WGMMA_D16, JCG_WGMMA_D32_HI, JCG_WGMMA_D64_HI
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b),
+          "r"(static_cast<int>(accumulate)), "n"(kScaleA), "n"(kMnB ? 1 : 0));
+  }
+}
+
+// A of k16 step s (columns 16 s..16 s + 15) of a 64 x N f32 accumulator d, rounded to bf16, as
+// wgmma_m64k16_rs's register operand: the register A fragment maps rows and columns as the
+// accumulator does (a[0]: row g, columns 2q, 2q + 1; a[1]: row g + 8; a[2], a[3]: the same 8
+// columns on), so one product's result feeds the next without shared memory (FlashAttention-3's
+// P V).
+template <int N>
+__device__ __forceinline__ void wg_acc_to_a(const float (&d)[N / 2], int s, uint32_t (&a)[4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(d[8 * s + 2 * r], d[8 * s + 2 * r + 1]);
+    a[r] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
 #undef JCG_WGMMA_D16
 #undef JCG_WGMMA_D32_HI
 #undef JCG_WGMMA_D64_HI
