@@ -7,7 +7,8 @@ Per op: every arm is set up (compiled) and warmed up, then `--groups` groups run
 the arms in palindromic order, A B ... B A, each block being half of the arm's `--calls` timed
 calls, so drift inside a group hits every arm alike. Before every timed call (and warm-up call)
 an L2 flush writes a 256 MiB device buffer (`--flush-mib`; 0 on CPU by default, where it is
-skipped). A timed call is `perf_counter()` around `call(); sync(result)`. Reported per arm: the
+skipped). A timed call is `perf_counter()` around `call(); sync(result)`; the time until `call()`
+returns (dispatch: every launch enqueued) is kept too. Reported per arm: the
 median over all timed calls, the drift |last group median - first group median| / median of the
 group medians, the speedup of the baseline arm's median over this arm's, and the floor fraction
 (floor / median; floor = max(FLOPs / 795 TFLOP/s, bytes / 4.26 TB/s)). Arms are checked against
@@ -135,12 +136,15 @@ def rel_rms(x, ref, block: int = 1 << 22):
 
 
 def time_op(op, arm_list, calls_fns, args, flush):
-    """Palindromic groups over the arms that set up. Returns {arm name: [[ms per call] per group]}."""
+    """Palindromic groups over the arms that set up. Returns ({arm name: [[ms per call] per
+    group]}, the same for the dispatch part of each call)."""
     times = {a.name: [] for a in arm_list}
+    dispatch = {a.name: [] for a in arm_list}
     first, second = (args.calls + 1) // 2, args.calls // 2
     for gi in range(args.groups):
         for a in arm_list:
             times[a.name].append([])
+            dispatch[a.name].append([])
         order = [(a, first) for a in arm_list] + [(a, second) for a in reversed(arm_list)]
         for a, n in order:
             call = calls_fns[a.name]
@@ -148,13 +152,16 @@ def time_op(op, arm_list, calls_fns, args, flush):
                 flush()
                 t0 = time.perf_counter()
                 res = call()
+                t1 = time.perf_counter()
                 a.sync(res)
                 dt = time.perf_counter() - t0
                 del res
                 times[a.name][gi].append(dt * 1e3)
-        meds = ", ".join(f"{a.name} {statistics.median(times[a.name][gi]):.3f}" for a in arm_list)
-        log(f"  {op}: group {gi + 1}/{args.groups} medians ms: {meds}")
-    return times
+                dispatch[a.name][gi].append((t1 - t0) * 1e3)
+        meds = ", ".join(f"{a.name} {statistics.median(times[a.name][gi]):.3f} "
+                         f"({statistics.median(dispatch[a.name][gi]):.3f})" for a in arm_list)
+        log(f"  {op}: group {gi + 1}/{args.groups} medians ms (dispatch): {meds}")
+    return times, dispatch
 
 
 def summarize(groups_ms):
@@ -248,13 +255,17 @@ def main(argv=None):
             del ref
 
         log(f"{op}: timing {len(ready)} arm(s), {args.groups} groups x {args.calls} calls")
-        times = time_op(op, ready, fns, args, flush)
+        times, dispatch = time_op(op, ready, fns, args, flush)
         fl = wl.floor(op)
         base_med = statistics.median([t for g in times[base.name] for t in g]) if base else None
         for a in ready:
             s = summarize(times[a.name])
             rows.append({"arm": a.name, "op": op, "framework": a.framework, "options": a.options,
                          **s, "times_ms": times[a.name],
+                         "dispatch_median_ms": statistics.median(
+                             [t for g in dispatch[a.name] for t in g]),
+                         "dispatch_group_medians_ms": [statistics.median(g)
+                                                       for g in dispatch[a.name]],
                          "baseline": base.name if base else None,
                          "speedup_vs_baseline": (base_med / s["median_ms"]) if base_med else None,
                          "floor_ms": fl["ms"], "floor_fraction": fl["ms"] / s["median_ms"],

@@ -49,6 +49,9 @@ def test_runner_end_to_end(tmp_path, name, ops, arms):
         assert len(r["times_ms"]) == 1 and len(r["times_ms"][0]) == 2
         for k in ("median_ms", "drift", "speedup_vs_baseline", "floor_fraction", "group_medians_ms"):
             assert k in r
+        # dispatch is the part of each call before its sync: never more than the call
+        assert 0.0 < r["dispatch_median_ms"] <= r["median_ms"]
+        assert len(r["dispatch_group_medians_ms"]) == 1
         if r["arm"] == "xla:full":  # full and light give equal results (DESIGN.md: bitwise)
             assert r["check"]["max_rel_rms"] == 0.0
     assert res["path"] == str(path)
