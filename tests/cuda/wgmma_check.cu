@@ -27,6 +27,14 @@ constexpr int kM = 64, kK = 128, kSlab = 64;
 // lays them out K-major or MN-major in shared memory); C: [kM][N] (kC).
 // kNOff: B's N columns sit at N offset kNOff of its shared tile (B stored [K][N + kNOff] or
 // [N + kNOff][K]), read through a descriptor that starts there (N = 32 blocks inside a slab).
+// Element 4 j + e of this thread's m64nN accumulator (wgmma.cuh's layout) as an index into the
+// 64 x N row-major matrix: row 16 warp + g + 8 (e / 2), column 8 j + 2 q + e % 2.
+template <int N>
+__device__ __forceinline__ int acc_index(int j, int e) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+  return (16 * warp + g + 8 * (e / 2)) * N + 8 * j + 2 * q + (e % 2);
+}
+
 // kRegA: A from registers (kMnA unused; A's shared tile is not written).
 template <int N, bool kMnA, bool kMnB, int kScaleA, bool kC, int kNOff, bool kRegA>
 __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A,
@@ -57,7 +65,6 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
   jcg::fence_proxy_async();
   __syncthreads();
 
-  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   // kRegA: A as a 64 x kK accumulator (the m64nN layout with N = kK), as bf16 A fragments of
   // every k16 step, all made before the wgmma fence (else ptxas inserts warpgroup.arrive)
   [[maybe_unused]] uint32_t ra[kRegA ? kK / 16 : 1][4];
@@ -67,8 +74,7 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
     for (int j = 0; j < kK / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q + (e % 2);
-        fa[4 * j + e] = __bfloat162float(A[row * kK + col]);
+        fa[4 * j + e] = __bfloat162float(A[acc_index<kK>(j, e)]);
       }
 #pragma unroll
     for (int ks = 0; ks < kK / 16; ++ks) jcg::wg_acc_to_a<kK>(fa, ks, ra[ks]);
@@ -78,8 +84,7 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q + (e % 2);
-      d[4 * j + e] = kC ? C[row * N + col] : 12345.f;
+      d[4 * j + e] = kC ? C[acc_index<N>(j, e)] : 12345.f;
     }
   jcg::wgmma_fence_operand(d);
   jcg::wgmma_fence();
@@ -106,8 +111,7 @@ __global__ void __launch_bounds__(128) wgmma_check_kernel(const __nv_bfloat16* A
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q + (e % 2);
-      D[row * N + col] = d[4 * j + e];
+      D[acc_index<N>(j, e)] = d[4 * j + e];
     }
 }
 
