@@ -65,6 +65,16 @@ __device__ __forceinline__ void stsm_x4(void* p, uint32_t r0, uint32_t r1, uint3
                : "memory");
 }
 
+// stsm_x4 with each matrix stored transposed: lane l gives the address of row l % 8 of matrix
+// l / 8 as stored (column l % 8 of the thread fragments' matrix).
+__device__ __forceinline__ void stsm_x4_t(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
+                                          uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :
+               : "r"(smem_u32(p)), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // d += a * b  (m16n8k16, bf16 inputs, f32 accumulators)
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {

@@ -14,22 +14,28 @@
 // are rounded on the way) and every per-token factor is applied to an accumulator or to v_new.
 // One CTA of V / 64 compute warpgroups plus a producer warpgroup per (segment, value head), grid
 // S x HV (segment-major, in the table's segment order). Compute warpgroup wg owns the value
-// columns 64 wg..64 wg + 63: its K x 64 f32 state in K / 64 wgmma accumulators of 64 x 64
-// (rows: key, columns: value; wg_acc.cuh), its slabs Sb, Vd (and Vn), and (kOut) the columns
-// kAttCols wg.. of Att (kAttCols = 64 / (V / 64)). Per chunk:
+// columns 64 wg..64 wg + 63.
+// Tapes: its K x 64 f32 state in K / 64 wgmma accumulators of 64 x 64 (rows: key, columns:
+// value; wg_acc.cuh) and its slabs Sb, Vd. Per chunk:
 //   top: Sb = bf16(S); the product-1 accumulator = u; warpgroup barrier
-//   product 1: v_new = u - Ws Sb  (m64n64, K / 16 steps; A = w K-major, B = Sb MN-major)
-//     tapes: h[c] = Sb (16-byte stores from Sb while the product runs); v_new to global
-//     kOut: then oacc = Q Sb, att = Q K^T (this warpgroup's columns); Vn = bf16(v_new),
-//           Att gated (wg_gate_scores) into a slab
+//   product 1: v_new = u - Ws Sb  (m64n64, K / 16 steps; A = w K-major, B = Sb MN-major);
+//     h[c] = Sb (16-byte stores from Sb while the product runs); v_new to global
 //   Vd = bf16(d v_new)
 //   product 2: S = e^{G_C} S + K^T Vd  (per 64-key block: m64n64, 4 steps; A = k MN-major)
-//     kOut: oacc = e^G oacc + Att Vn;  o = scale rq oacc (bf16 o: through the Vd slab, then
-//           16-byte stores of whole rows)
-// Both modes run the state update with the same operands and k16 order (the final states are
-// bit for bit equal, and equal to the one-warpgroup-per-V-tile state walk this replaced). o
-// rounds other operands than the output kernel (which takes bf16(q rq), bf16(k r)), so o agrees
-// with state_walk + output to bf16 rounding.
+// kOut: the state transposed, S^T (64 value rows x K keys, one m64nK accumulator), and the
+// chain in registers: bf16(S^T) and bf16(v_new^T) are the A operands (wgmma_m64k16_rs,
+// wg_acc_to_a), so no slab, fence or warpgroup barrier sits between the products. Per chunk:
+//   top: sa = bf16(S^T) fragments; the product-1 accumulator = u^T (the producer's layout)
+//   product 1: v_new^T = u^T - S^T W^T  (A = sa, B = w [token][K] K-major); then
+//     o^T = S^T Q^T (A = sa, B = q K-major) and att = Q K^T, the columns kAttCols wg.. of Att
+//     (kAttCols = 64 / (V / 64); SS, as the output kernel)
+//   vn = bf16(v_new^T), vd = bf16(v_new^T diag(d)); Att gated into its slab; CTA compute barrier
+//   product 2: o^T = diag-cols(e^G) o^T + vn Att^T (B = Att [i][j] K-major);
+//     S^T = e^{G_C} S^T + vd K (m64nK, B = k [token][K] MN-major)
+//   o = scale rq (o^T)^T: bf16 through the Vd slab by stmatrix .trans, then 16-byte stores of
+//   whole rows (f32 o: 4-byte stores)
+// Both modes make the same products over the same bf16 operands in the same k16 order.
+// The per-token factors of kOut (d, e^G, scale rq) are made by the producer into its rows.
 // Every input of chunk c + 1 (k, w, u, rows G / rstd; kOut: q, rstd_q) is double-buffered by
 // chunk parity and made by the producer warpgroup (after the compute warpgroups) while the
 // compute warps work on chunk c: it issues the cp.async pieces, waits for them and fences them
@@ -38,17 +44,18 @@
 // partial chunk's end (TMA reads on into the next document), as the cp.async zero fill does.
 // The tapes mode copies w and u. kOut makes them (prep's w, u up to bf16 rounding; prep.cuh):
 //   A_u = bf16(A diag(beta)),  A_w = bf16(A diag(beta e^G r))   (A bf16 from solve_a / prep)
-//   u = A_u V,  w = A_w K   (m64n64 wgmma blocks, f32 accumulate, rounded to bf16 into the slabs)
-// with v landing in the u slabs (each 64-column block of u overwrites the v columns it read) and
-// k in its own slabs (the compute warps read it as they are). A diag(.) rounds where prep rounds
-// K diag(.), so o agrees with a walk on prep's w, u to about one bf16 rounding.
+//   u^T = V^T A_u^T,  w = A_w K   (m64n64 wgmma blocks, f32 accumulate, rounded to bf16 into
+//   the slabs)
+// with v landing in the u slabs (each 64-column block of u^T overwrites the v columns it read)
+// and k in its own slabs (the compute warps read it as they are). A diag(.) rounds where prep
+// rounds K diag(.), so o agrees with a walk on prep's w, u to about one bf16 rounding.
 // Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut: 88, for its 32-register
 // wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at launch,
 // compute 224, kOut 208; tapes at V = 64: 2 CTAs per SM, 128 at launch, compute 200; kOut at
 // V = 64: 1 CTA per SM, no reallocation).
-// Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Sb 2 x 16 KB, Vd 2 x 8 KB,
-// rows 2 x 512 B, + 1 KB alignment: 146 KB (tapes); kOut adds q 2 x 16 KB, Vn 2 x 8 KB, Att
-// 8 KB, A_u and A_w 8 KB each, rstd_q and beta rows: 219 KB. One CTA of 12 warps per SM.
+// Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Vd 2 x 8 KB, rows, + 1 KB
+// alignment; tapes: Sb 2 x 16 KB, 146 KB in all; kOut: q 2 x 16 KB, Att 8 KB, A_u and A_w 8 KB
+// each, 6 rows a buffer: about 172 KB. One CTA of 12 warps per SM.
 #pragma once
 
 #include <type_traits>
@@ -94,16 +101,16 @@ struct WalkFwdWgSmem {
   static constexpr int kWarpgroups = V / 64;  // compute warpgroups
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  // G, rstd; kOut: rstd_q, beta
-  static constexpr size_t kRows = (kOut ? 4 : 2) * kChunk * sizeof(float);
+  // G, rstd; kOut: scale rstd_q, beta, d, e^G
+  static constexpr size_t kRows = (kOut ? 6 : 2) * kChunk * sizeof(float);
   static constexpr size_t oK = 0;                                        // 2 buffers
   static constexpr size_t oWs = oK + 2 * kTok;                           // 2 buffers
   static constexpr size_t oUs = oWs + 2 * kTok;  // 2 buffers of V / 64 slabs [token][v]
-  static constexpr size_t oSb = oUs + 2 * kWarpgroups * kSlab;           // per warpgroup
-  static constexpr size_t oVd = oSb + kWarpgroups * size_t{K} * 128;     // per warpgroup
+  static constexpr size_t oSb = oUs + 2 * kWarpgroups * kSlab;  // per warpgroup (tapes)
+  // per warpgroup: Vd (tapes), o on its way to token rows (kOut)
+  static constexpr size_t oVd = oSb + (kOut ? 0 : kWarpgroups * size_t{K} * 128);
   static constexpr size_t oQ = oVd + kWarpgroups * kSlab;                // kOut: 2 buffers
-  static constexpr size_t oVn = oQ + (kOut ? 2 * kTok : 0);              // kOut: per warpgroup
-  static constexpr size_t oAtt = oVn + (kOut ? kWarpgroups * kSlab : 0);  // kOut: [i][j]
+  static constexpr size_t oAtt = oQ + (kOut ? 2 * kTok : 0);             // kOut: [i][j]
   static constexpr size_t oAu = oAtt + (kOut ? kSlab : 0);  // kOut: A_u, then A_w (producer)
   static constexpr size_t oAw = oAu + (kOut ? kSlab : 0);
   static constexpr size_t oRows = oAw + (kOut ? kSlab : 0);              // 2 buffers
@@ -216,6 +223,27 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         wg_store_slab<64>(acc, out + n * Sm::kSlab, wq);
       }
     };
+    // kOut: u^T = (A_u V)^T = V^T A_u^T as [64 v][64 tokens] slabs in place of the v slabs (A = a
+    // v slab, MN-major; B = A_u, K-major), the compute warps' transposed product-1 accumulator.
+    [[maybe_unused]] auto ut_product = [&](const unsigned char* As, unsigned char* X) {
+#pragma unroll 1
+      for (int n = 0; n < V / 64; ++n) {
+        float acc[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+        wgmma_fence_operand(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kChunk / 16; ++ks)
+          wgmma_m64k16_ss<64, true, false, 1>(acc, sw128_desc(X + n * Sm::kSlab + 2048 * ks),
+                                              sw128_desc(As + 32 * ks), true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(acc);
+        producer_sync();
+        wg_store_slab<64>(acc, X + n * Sm::kSlab, wq);
+      }
+    };
     auto copy_chunk = [&](int c, int b, const ChunkSpan cs) {
       float* r = rows(b);
       if constexpr (kOut) {  // rows; A (into A_u), v (into the u slabs), q, k
@@ -264,6 +292,13 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
           cp_async_wait_all();
         }
         producer_sync();  // rows, A, v, q, k
+        if (const int t = threadIdx.x - kCompute; t < kChunk) {  // token t's factors
+          const int last = max(cs.len - 1, 0);
+          r[4 * kChunk + t] = walk_decay(t, cs.len, r[last], r, a.rstd != nullptr ? r + kChunk
+                                                                                  : nullptr);
+          r[5 * kChunk + t] = exp_ftz(r[min(t, last)]);
+          r[2 * kChunk + t] = a.scale * (a.rstd_q != nullptr ? r[2 * kChunk + t] : 1.f);
+        }
         {  // A_u = bf16(A diag(beta)) in place, A_w = bf16(A diag(beta e^G r))
           using P = TilePieces<kChunk, kChunk, kLoaders>;
           const int c8 = P::col();
@@ -299,7 +334,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         }
         fence_proxy_async();
         producer_sync();  // A_u, A_w (and zeroed rows) for the products
-        wu_product(Au, u_slabs(b), u_slabs(b), V);
+        ut_product(Au, u_slabs(b));
         wu_product(Aw, k_slabs(b), w_slabs(b), K);
       } else {  // tapes: rows; k, w, u
         const RowVector vecs[2] = {{r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}};
@@ -357,11 +392,123 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   }
   if constexpr (Regs::kRealloc) warpgroup_reg_alloc<Regs::kComputeRegs>();
 
+  const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg;
+  float* fin = a.final_state + state0;
+  if constexpr (kOut) {
+    // The state transposed, S^T: this warpgroup's 64 value rows x K keys in one accumulator,
+    // fed to products 1, Q S and the update from registers; v_new^T likewise to Att Vn and the
+    // update. The chain never goes through shared memory.
+    float ST[K / 2];
+    wg_state_rw_t<K>(ST, const_cast<float*>(a.h0) + state0, V, false, wq);
+    if (!empty) {
+      unsigned char* Ot = smem + Sm::oVd + wg * Sm::kSlab;  // o back to token rows
+      Out* o_cols = a.o + int64_t{hv} * V + 64 * wg;
+      ChunkSpan next = span(c_first);
+      for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
+        const ChunkSpan cs = next;
+        next = span(c + 1);
+        const int len = cs.len, last = max(len - 1, 0);
+        __syncthreads();  // chunk c's inputs have landed; chunk c - 1 is done
+
+        const unsigned char* Ks = k_slabs(b);
+        const unsigned char* Qs = q_slabs(b);
+        const float* rG = rows(b);  // rows >= len are zero
+        const float* rR = a.rstd != nullptr ? rG + kChunk : nullptr;
+        const float* rO = rG + 2 * kChunk;  // scale rstd_q (the producer's)
+        const float* rD = rG + 4 * kChunk;  // d_t (the producer's)
+        const float* rE = rG + 5 * kChunk;  // e^{G_t} (the producer's)
+        const float eC = exp_ftz(rG[last]);
+        uint32_t sa[K / 16][4];  // bf16(S^T), every k16 step
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks) wg_acc_to_a<K>(ST, ks, sa[ks]);
+        float acc[32], oacc[32], att[kAttCols / 2];
+        wg_load_slab64(acc, u_slabs(b) + wg * Sm::kSlab, wq);  // u^T (the producer's layout)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) oacc[i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < kAttCols / 2; ++i) att[i] = 0.f;
+        wgmma_fence_operand(acc);
+        wgmma_fence_operand(oacc);
+        wgmma_fence_operand(att);
+        wgmma_fence();
+        // product 1 (the chain) first: v_new^T = u^T - S^T W^T (B = w [token][K], K-major)
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks)
+          wgmma_m64k16_rs<64, false, -1>(
+              acc, sa[ks], sw128_desc(w_slabs(b) + (ks / 4) * Sm::kSlab + 32 * (ks % 4)), true);
+        wgmma_commit();
+        // then (Q S)^T = S^T Q^T and this warpgroup's columns of Q K^T
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks)
+          wgmma_m64k16_rs<64, false, 1>(
+              oacc, sa[ks], sw128_desc(Qs + (ks / 4) * Sm::kSlab + 32 * (ks % 4)), true);
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks) {  // B: k rows kAttCols wg.. (K-major, 128 B a row)
+          const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
+          wgmma_m64k16_ss<kAttCols, false, false, 1>(
+              att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        wgmma_fence_operand(acc);
+        uint32_t vn[kChunk / 16][4], vd[kChunk / 16][4];  // bf16(v_new^T), bf16(v_new^T diag(d))
+#pragma unroll
+        for (int ts = 0; ts < kChunk / 16; ++ts) wg_acc_to_a<64>(acc, ts, vn[ts]);
+        wg_scale_cols<64>(acc, rD);
+#pragma unroll
+        for (int ts = 0; ts < kChunk / 16; ++ts) wg_acc_to_a<64>(acc, ts, vd[ts]);
+        wgmma_wait<0>();
+        wgmma_fence_operand(att);
+        wgmma_fence_operand(oacc);
+        wg_gate_scores<kAttCols>(att, rG, wq, kAttCols * wg, last, rR);
+        wg_store_slab<kAttCols>(att, smem + Sm::oAtt, wq, kAttCols * wg);
+        fence_proxy_async();
+        compute_sync<kCompute>();  // Att complete
+        // o^T = e^G (Q S)^T + v_new^T Att^T;  S^T = e^{G_C} S^T + Vd^T K
+        wg_scale_cols<64>(oacc, rE);
+#pragma unroll
+        for (int i = 0; i < K / 2; ++i) ST[i] *= eC;
+        wgmma_fence_operand(oacc);
+        wgmma_fence_operand(ST);
+        wgmma_fence();
+#pragma unroll
+        for (int ts = 0; ts < kChunk / 16; ++ts)  // B: Att [i][j], K-major
+          wgmma_m64k16_rs<64, false, 1>(oacc, vn[ts], sw128_desc(smem + Sm::oAtt + 32 * ts),
+                                        true);
+#pragma unroll
+        for (int ts = 0; ts < kChunk / 16; ++ts)  // B: k [token][K], MN-major
+          wgmma_m64k16_rs<K, true, 1>(ST, vd[ts], sw128_desc(Ks + 2048 * ts, Sm::kSlab), true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(oacc);
+        wgmma_fence_operand(ST);
+        // o = scale rq o (the producer's rO), token rows < len
+        if constexpr (std::is_same_v<Out, bf16>) {  // through Ot, then 16-byte stores
+          wg_stsm_cols_t(oacc, Ot, wq, rO);
+          warpgroup_sync(wg);
+          wg_copy_slab<kChunk>(Ot, o_cols + cs.start * int64_t{HV} * V, int64_t{HV} * V, len,
+                               threadIdx.x % 128);
+        } else {  // f32 o: 4-byte stores, element (v, t) of o^T to token row t
+          wg_scale_cols<64>(oacc, rO);
+          const int64_t ld = int64_t{HV} * V;
+          Out* ob = o_cols + cs.start * ld + 16 * wq + g;
+#pragma unroll
+          for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int t = 8 * j + 2 * q + (e & 1);
+              if (t < len) ob[t * ld + 8 * (e >> 1)] = oacc[4 * j + e];
+            }
+        }
+      }
+    }
+    wg_state_rw_t<K>(ST, fin, V, true, wq);
+    return;
+  }
+
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
   unsigned char* Vd = smem + Sm::oVd + wg * Sm::kSlab;
   float S[K / 64][32];
-  const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg;
-  float* fin = a.final_state + state0;
   // h[c] (this warpgroup's columns) = Sb with 16-byte stores, after a barrier that follows
   // wg_write_sb
   auto copy_sb_to_h = [&](int c) {
@@ -371,11 +518,9 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   wg_state_rw<K>(S, const_cast<float*>(a.h0) + state0, V, false, wq);
   if (empty) {
     wg_state_rw<K>(S, fin, V, true, wq);
-    if constexpr (!kOut) {
-      if (s == 0 && NC > 0 && a.clen[0] <= 0) {  // no used chunk: h is all zero
-        for (int c = 0; c < NC; ++c)  // warp w zeroes columns 16 w..
-          state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride, V);
-      }
+    if (s == 0 && NC > 0 && a.clen[0] <= 0) {  // no used chunk: h is all zero
+      for (int c = 0; c < NC; ++c)  // warp w zeroes columns 16 w..
+        state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride, V);
     }
     return;
   }
@@ -401,117 +546,47 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     fence_proxy_async();
     warpgroup_sync(wg);  // Sb complete
 
-    // product 1 (the chain) first; kOut: then Q S and this warpgroup's columns of Q K^T
-    [[maybe_unused]] float att[kOut ? kAttCols / 2 : 1], oacc[kOut ? 32 : 1];
-    if constexpr (kOut) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) oacc[i] = 0.f;
-#pragma unroll
-      for (int i = 0; i < kAttCols / 2; ++i) att[i] = 0.f;
-      wgmma_fence_operand(att);
-      wgmma_fence_operand(oacc);
-    }
+    // product 1: v_new = u - Ws Sb; h[c] = Sb while the tensor cores run
     wgmma_fence_operand(acc);
     wgmma_fence();
     wg_issue_product1<K>(acc, Ws, Sb);
     wgmma_commit();
-    if constexpr (kOut) {
-      const unsigned char* Qs = q_slabs(b);
-      wg_issue_mm64<K>(oacc, Qs, Sb, K * 128);
-#pragma unroll
-      for (int ks = 0; ks < K / 16; ++ks) {  // B: k rows kAttCols wg.. (K-major, 128 B a row)
-        const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
-        wgmma_m64k16_ss<kAttCols, false, false, 1>(
-            att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
-      }
-      wgmma_commit();
-      wgmma_wait<1>();
-    } else {
-      copy_sb_to_h(c);  // h[c] = S (bf16), while the tensor cores run
-      wgmma_wait<0>();
-    }
+    copy_sb_to_h(c);
+    wgmma_wait<0>();
     wgmma_fence_operand(acc);
-    // v_new (kOut: Vn = bf16(v_new); tapes: to global, rows < len); Vd = bf16(d v_new)
+    // v_new to global (rows < len); Vd = bf16(d v_new)
     const float d0 = walk_decay(i0, len, GC, rG, rR), d1 = walk_decay(i1, len, GC, rG, rR);
-    if constexpr (kOut) {
-      wg_store_slab<64>(acc, smem + Sm::oVn + wg * Sm::kSlab, wq);
-    } else {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int t = half ? i1 : i0;
-        if (t < len) {
-          bf16* vp = a.v_new + ((cs.start + t) * HV + hv) * V + 64 * wg + 2 * q;
+    for (int half = 0; half < 2; ++half) {
+      const int t = half ? i1 : i0;
+      if (t < len) {
+        bf16* vp = a.v_new + ((cs.start + t) * HV + hv) * V + 64 * wg + 2 * q;
 #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            store2(vp + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-        }
+        for (int j = 0; j < 8; ++j)
+          store2(vp + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
       }
     }
     wg_store_slab<64>(acc, Vd, wq, 0, d0, d1);
-    if constexpr (kOut) {
-      wgmma_wait<0>();
-      wgmma_fence_operand(att);
-      wgmma_fence_operand(oacc);
-      wg_gate_scores<kAttCols>(att, rG, wq, kAttCols * wg, last, rR);
-      wg_store_slab<kAttCols>(att, smem + Sm::oAtt, wq, kAttCols * wg);
-      fence_proxy_async();
-      compute_sync<kCompute>();  // Att, Vn, Vd complete
-      // o = e^G (Q S) + Att Vn (issued with the state update below)
-      const float eg0 = exp_ftz(rG[min(i0, last)]), eg1 = exp_ftz(rG[min(i1, last)]);
-      wg_scale_rows(oacc, eg0, eg1);
-    } else {
-      fence_proxy_async();
-      warpgroup_sync(wg);  // Vd complete
-    }
+    fence_proxy_async();
+    warpgroup_sync(wg);  // Vd complete
 
     // S = e^{G_C} S + K^T Vd
     wg_scale_state<K>(S, exp_ftz(GC));
-    if constexpr (kOut) wgmma_fence_operand(oacc);
     wgmma_fence();
-    if constexpr (kOut) {
-      wg_issue_mm64<kChunk>(oacc, smem + Sm::oAtt, smem + Sm::oVn + wg * Sm::kSlab, Sm::kSlab);
-    }
     wg_issue_state_update<K>(S, Ks, Vd);
     wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
     for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
-
-    if constexpr (kOut) {
-      wgmma_fence_operand(oacc);
-      const float* rQ = a.rstd_q != nullptr ? rG + 2 * kChunk : nullptr;
-      const float so[2] = {a.scale * (rQ != nullptr ? rQ[i0] : 1.f),
-                           a.scale * (rQ != nullptr ? rQ[i1] : 1.f)};  // before any store
-      Out* o0 = a.o + (cs.start * HV + hv) * V + 64 * wg;
-      if constexpr (std::is_same_v<Out, bf16>) {  // through the Vd slab (read by product 2)
-        wg_store_slab<64>(oacc, Vd, wq, 0, so[0], so[1]);
-        warpgroup_sync(wg);
-        wg_copy_slab<kChunk>(Vd, o0, int64_t{HV} * V, len, threadIdx.x % 128);
-      } else {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int t = half ? i1 : i0;
-          if (t < len) {
-            Out* op = o0 + t * int64_t{HV} * V + 2 * q;
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-              store2(op + 8 * j, so[half] * oacc[4 * j + 2 * half],
-                     so[half] * oacc[4 * j + 2 * half + 1]);
-          }
-        }
-      }
-    }
   }
 
   wg_state_rw<K>(S, fin, V, true, wq);
-  if constexpr (!kOut) {
-    // The last used chunk's segment also fills the unused chunks' h with its exit state.
-    if (c_last + 1 < NC && a.clen[c_last + 1] <= 0) {
-      warpgroup_sync(wg);  // every warp of this warpgroup is done reading Sb
-      wg_write_sb<K>(S, Sb, wq);
-      warpgroup_sync(wg);
-      for (int c = c_last + 1; c < NC; ++c) copy_sb_to_h(c);
-    }
+  // The last used chunk's segment also fills the unused chunks' h with its exit state.
+  if (c_last + 1 < NC && a.clen[c_last + 1] <= 0) {
+    warpgroup_sync(wg);  // every warp of this warpgroup is done reading Sb
+    wg_write_sb<K>(S, Sb, wq);
+    warpgroup_sync(wg);
+    for (int c = c_last + 1; c < NC; ++c) copy_sb_to_h(c);
   }
 }
 

@@ -56,6 +56,59 @@ __device__ __forceinline__ void wg_stsm_rows(const float (&x)[N / 2], unsigned c
             pack_bf16(s1 * x[4 * j + 6], s1 * x[4 * j + 7]));
 }
 
+// Columns of a 64 x 64 accumulator x (column c times f[c], f: 64 floats) as bf16 into a
+// swizzled [64 columns][64 rows] slab: element (r, c) at sw128_offset(c, r) (stmatrix .trans):
+// a transposed accumulator (rows: value, columns: token) to token rows.
+__device__ __forceinline__ void wg_stsm_cols_t(const float (&x)[32], unsigned char* slab, int wq,
+                                               const float* f) {
+  const int lane = threadIdx.x & 31, q = lane & 3;
+  const int col = 16 * wq + 8 * ((lane >> 3) & 1), row_in = (lane & 7) + 8 * (lane >> 4);
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {
+    const float f0 = f[8 * j + 2 * q], f1 = f[8 * j + 2 * q + 1];
+    const float f2 = f[8 * j + 8 + 2 * q], f3 = f[8 * j + 9 + 2 * q];
+    stsm_x4_t(slab + sw128_offset(8 * j + row_in, col), pack_bf16(f0 * x[4 * j], f1 * x[4 * j + 1]),
+              pack_bf16(f0 * x[4 * j + 2], f1 * x[4 * j + 3]),
+              pack_bf16(f2 * x[4 * j + 4], f3 * x[4 * j + 5]),
+              pack_bf16(f2 * x[4 * j + 6], f3 * x[4 * j + 7]));
+  }
+}
+
+// Column c of a 64 x N accumulator times f[c] (f: N floats, shared memory).
+template <int N>
+__device__ __forceinline__ void wg_scale_cols(float (&x)[N / 2], const float* f) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    const float f0 = f[8 * j + 2 * q], f1 = f[8 * j + 2 * q + 1];
+    x[4 * j] *= f0;
+    x[4 * j + 1] *= f1;
+    x[4 * j + 2] *= f0;
+    x[4 * j + 3] *= f1;
+  }
+}
+
+// Loads (store = false) or stores the f32 state [K][V] (tile column 0, row pitch V) from / to
+// one transposed accumulator ST (64 x K: ST[4 j + e] = state[8 j + 2 q + e % 2][16 wq + g +
+// 8 (e / 2)]); once a segment, so plain 4-byte accesses.
+template <int K>
+__device__ __forceinline__ void wg_state_rw_t(float (&ST)[K / 2], float* base, int V, bool store,
+                                              int wq) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int j = 0; j < K / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float* p = base + static_cast<int64_t>(8 * j + 2 * q + (e & 1)) * V + 16 * wq + g +
+                 8 * (e >> 1);
+      if (store) {
+        *p = ST[4 * j + e];
+      } else {
+        ST[4 * j + e] = *p;
+      }
+    }
+}
+
 // Sb = bf16(S) for a K x 64 state in K / 64 accumulators (wq: the warp in its warpgroup):
 // element (key r, column c) at sw128_offset(r, c), one slab of K rows (the MN-major B operand).
 template <int K>
