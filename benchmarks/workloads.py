@@ -4,8 +4,9 @@ Every workload is packed (B = 1) with `cu_seqlens`. Inputs are generated on the 
 any framework (JAX arms now, torch arms later) times the same values: bf16 arrays are rounded to
 bf16 once and stored as float32 (exactly representable), arms cast them to their own bf16.
 
-Names: `B23`, `long`, `small_heads`, `tiny`; append `-layer` (e.g. `B23-layer`) for the layer
-variant, a short causal conv (W = 4, SiLU) over the packed q/k/v channels followed by gdn.
+Names: `B23` (`B23rev`: its documents in reverse order), `long`, `small_heads`, `tiny`; append
+`-layer` (e.g. `B23-layer`) for the layer variant, a short causal conv (W = 4, SiLU) over the
+packed q/k/v channels followed by gdn.
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ SMALL_HEADS_DOCS = (21000, 15000, 12000, 9000, 5536, 3000)
 
 _BASE = {
     "B23": Workload("B23", (12288, 8192, 7168, 5120), H=16, HV=48),
+    # B23's documents shortest first: the walks start the longest segment's CTAs first anyway
+    # (chunks.py seg_order); in table order the 12288-token document's would start last
+    "B23rev": Workload("B23rev", (5120, 7168, 8192, 12288), H=16, HV=48),
     "long": Workload("long", (65536,), H=16, HV=48),
     "small_heads": Workload("small_heads", SMALL_HEADS_DOCS, H=2, HV=6),
     # context-parallel scaling: one document of 131072 (CP2) and 262144 (CP4, CP8) tokens

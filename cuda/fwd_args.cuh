@@ -59,12 +59,14 @@ inline std::string check_table(ffi::Span<const int64_t> start, ffi::Span<const i
   return {};
 }
 
-// The walks' segment table: seg_first, seg_last, seg_len all int32[S], S >= 1.
+// The walks' segment table: seg_first, seg_last, seg_len, seg_order all int32[S], S >= 1
+// (seg_order: the segments in the order the walk starts their CTAs, a permutation of 0..S-1;
+// chunks.py puts the longest first).
 inline std::string check_segments(ffi::Span<const int64_t> first, ffi::Span<const int64_t> last,
-                                  ffi::Span<const int64_t> len) {
+                                  ffi::Span<const int64_t> len, ffi::Span<const int64_t> order) {
   if (len.size() != 1 || len[0] < 1) return "seg_len must be int32[S], got shape " + dims_str(len);
-  if (!(first == len && last == len))
-    return "seg_first, seg_last must match seg_len " + dims_str(len);
+  if (!(first == len && last == len && order == len))
+    return "seg_first, seg_last, seg_order must match seg_len " + dims_str(len);
   return {};
 }
 

@@ -2,24 +2,24 @@
 // wgmma (walk_fwd_wg.cuh; kOut = false / true):
 //
 //   jax_cake_gdn_state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
-//                           seg_len) -> h bf16[NC, HV, K, V], v_new bf16[T, HV, V],
+//                           seg_len, seg_order) -> h bf16[NC, HV, K, V], v_new bf16[T, HV, V],
 //                                       final f32[S, HV, K, V]
 //
 // k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; u bf16[T, HV, V]; G f32[T, HV]; h0 f32[S, HV, K, V];
-// rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K, V in {64, 128}. The h tape and
-// v_new are bf16: the f32 values rounded to nearest, the operands their readers (output,
-// chunk_bwd) used to round them to themselves; the walk itself carries the state in f32.
+// rstd_k f32[T, H] or f32[1]; chunk and segment tables int32 (chunks.py). K, V in {64, 128}.
+// The h tape and v_new are bf16: the f32 values rounded to nearest, the operands their readers
+// (output, chunk_bwd) used to round them to themselves; the walk itself carries the state in f32.
 //
 //   jax_cake_gdn_walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
-//                            seg_first, seg_last, seg_len; scale) -> o [T, HV, V] (bf16 or f32,
-//                            the result type chooses), final f32[S, HV, K, V]
+//                            seg_first, seg_last, seg_len, seg_order; scale)
+//       -> o [T, HV, V] (bf16 or f32, the result type chooses), final f32[S, HV, K, V]
 //
 // The light forward's walk: o = output(state_walk(...)) with w, u made on chip from A bf16[NC,
 // HV, 64, 64] (solve_a's) and h, v_new kept there. q, k, v: same dtype (v [T, HV, V]); beta
 // f32[T, HV]; rstd_q f32[T, H] or f32[1]; the rest as state_walk. bf16 q, k, v and A reach the
 // kernel by TMA: the handler encodes their tensor maps (tma.cuh). Launch (both): one CTA of
 // V / 64 compute warpgroups and a producer warpgroup per (segment, value head), grid S x HV
-// (segment-major, in the table's segment order).
+// (segment-major, the segments in seg_order: chunks.py sorts them longest first).
 #include "fwd_args.cuh"
 #include "walk_fwd_wg.cuh"
 
@@ -36,7 +36,8 @@ WalkFwdArgs<In, Out> walk_args(const ffi::AnyBuffer& k, const ffi::Buffer<ffi::F
                                const ffi::Buffer<ffi::S32>& chunk_len,
                                const ffi::Buffer<ffi::S32>& seg_first,
                                const ffi::Buffer<ffi::S32>& seg_last,
-                               const ffi::Buffer<ffi::S32>& seg_len, float* final_state,
+                               const ffi::Buffer<ffi::S32>& seg_len,
+                               const ffi::Buffer<ffi::S32>& seg_order, float* final_state,
                                int64_t T, int64_t H, int64_t HV, int64_t NC) {
   WalkFwdArgs<In, Out> a{};
   a.k = static_cast<const In*>(k.untyped_data());
@@ -48,6 +49,7 @@ WalkFwdArgs<In, Out> walk_args(const ffi::AnyBuffer& k, const ffi::Buffer<ffi::F
   a.seg_first = seg_first.typed_data();
   a.seg_last = seg_last.typed_data();
   a.seg_len = seg_len.typed_data();
+  a.seg_order = seg_order.typed_data();
   a.final_state = final_state;
   a.num_tokens = T;
   a.H = static_cast<int>(H);
@@ -71,7 +73,8 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
                            ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> rstd_k,
                            ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                            ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
-                           ffi::Buffer<ffi::S32> seg_len, ffi::ResultBuffer<ffi::BF16> h,
+                           ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
+                           ffi::ResultBuffer<ffi::BF16> h,
                            ffi::ResultBuffer<ffi::BF16> v_new,
                            ffi::ResultBuffer<ffi::F32> final_state) {
   JCG_CHECK_MSG(check_qk("k", k));
@@ -91,7 +94,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
   const int64_t NC = chunk_start.dimensions()[0];
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
-                               seg_len.dimensions()));
+                               seg_len.dimensions(), seg_order.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
   JCG_CHECK_ARG(S * HV < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
@@ -118,7 +121,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
         constexpr int VT = decltype(vdim)::value;
         auto a = walk_args<In, bf16>(k, G, h0, has_rstd ? rstd_k.typed_data() : nullptr,
                                      chunk_start, chunk_len, seg_first, seg_last, seg_len,
-                                     final_state->typed_data(), T, H, HV, NC);
+                                     seg_order, final_state->typed_data(), T, H, HV, NC);
         a.w = static_cast<const bf16*>(w.untyped_data());
         a.u = static_cast<const bf16*>(u.untyped_data());
         a.h = static_cast<bf16*>(h->untyped_data());
@@ -129,7 +132,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
           if (map_err.empty()) map_err = token_map(&a.tm_u, a.u, T, HV, VT);
           if (!map_err.empty()) return;
         }
-        const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
+        const dim3 grid(static_cast<unsigned>(S * HV));  // segments (in seg_order) x heads
         err = launch(walk_fwd_wg_kernel<false, In, bf16, KD, VT>, grid,
                      walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<false, KD, VT>::bytes, stream, a);
       });
@@ -157,6 +160,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
@@ -191,7 +195,8 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                             ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                             ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
-                            ffi::Buffer<ffi::S32> seg_len, float scale,
+                            ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
+                            float scale,
                             ffi::Result<ffi::AnyBuffer> o,
                             ffi::ResultBuffer<ffi::F32> final_state) {
   JCG_CHECK_MSG(check_q_k(q, k));
@@ -212,7 +217,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31) && T < (int64_t{1} << 31),
                 "NC * HV * 64 and T must be below 2^31");
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
-                               seg_len.dimensions()));
+                               seg_len.dimensions(), seg_order.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
   JCG_CHECK_ARG(S * HV < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
@@ -239,7 +244,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
           constexpr int VT = decltype(vdim)::value;
           auto a = walk_args<In, Out>(k, G, h0, has_rk ? rstd_k.typed_data() : nullptr,
                                       chunk_start, chunk_len, seg_first, seg_last, seg_len,
-                                      final_state->typed_data(), T, H, HV, NC);
+                                      seg_order, final_state->typed_data(), T, H, HV, NC);
           a.q = static_cast<const In*>(q.untyped_data());
           a.v = static_cast<const In*>(v.untyped_data());
           a.beta = beta.typed_data();
@@ -251,7 +256,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
             map_err = walk_output_maps(a, T, H, HV, KD, VT, NC);
             if (!map_err.empty()) return;
           }
-          const dim3 grid(static_cast<unsigned>(S * HV));  // segments x heads (table order)
+          const dim3 grid(static_cast<unsigned>(S * HV));  // segments (in seg_order) x heads
           err = launch(walk_fwd_wg_kernel<true, In, Out, KD, VT>, grid,
                        walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<true, KD, VT>::bytes, stream, a);
         });
@@ -283,6 +288,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output, jax_cake_gdn::walk_outpu
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
                                   .Attr<float>("scale")
                                   .Ret<xla::ffi::AnyBuffer>()              // o
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final

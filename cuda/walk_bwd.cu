@@ -1,14 +1,14 @@
 // FFI handler of the backward state walk (kernel in walk_bwd_wg.cuh, on wgmma):
 //
 //   jax_cake_gdn_walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len,
-//                         seg_first, seg_last, seg_len; scale)
+//                         seg_first, seg_last, seg_len, seg_order; scale)
 //       -> dS_end bf16[NC, HV, K, V] (rounded to nearest from the f32 carried gradient: chunk_bwd
 //          uses it only as a bf16 operand), dh0 f32[S, HV, K, V]
 //
 // q, k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
 // dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64] (the saved Att) or bf16[1] (recompute);
-// rstd_q, rstd_k f32[T, H] or f32[1]; chunk table int32 (chunks.py). K in {64, 128}, V in
-// {64, 128}.
+// rstd_q, rstd_k f32[T, H] or f32[1]; chunk and segment tables int32 (chunks.py). K in
+// {64, 128}, V in {64, 128}.
 #include "fwd_args.cuh"
 #include "walk_bwd_wg.cuh"
 
@@ -31,7 +31,8 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
-                         ffi::Buffer<ffi::S32> seg_len, float scale,
+                         ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
+                         float scale,
                          ffi::ResultBuffer<ffi::BF16> dS_end, ffi::ResultBuffer<ffi::F32> dh0) {
   JCG_CHECK_MSG(check_q_k(q, k));
   const auto qd = q.dimensions();
@@ -48,7 +49,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
   const int64_t NC = chunk_start.dimensions()[0];
   JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
-                               seg_len.dimensions()));
+                               seg_len.dimensions(), seg_order.dimensions()));
   const int64_t S = seg_len.dimensions()[0];
   JCG_CHECK_ARG(S * HV * (V / 64) < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(dfinal.dimensions(), {S, HV, K, V}),
@@ -86,6 +87,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                        has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                        chunk_start.typed_data(), chunk_len.typed_data(),
                        seg_first.typed_data(), seg_last.typed_data(), seg_len.typed_data(),
+                       seg_order.typed_data(),
                        static_cast<bf16*>(dS_end->untyped_data()), dh0->typed_data(), T,
                        static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
                        static_cast<int>(NC), scale);
@@ -122,6 +124,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_bwd, jax_cake_gdn::walk_bwd_impl
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
                                   .Attr<float>("scale")
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // dS_end
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // dh0

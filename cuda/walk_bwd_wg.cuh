@@ -4,9 +4,10 @@
 //   dS_end[c] = dS;   dv_local = scale Att^T dO;   dvn = dv_local + diag(e^{G_C - G}) K dS
 //   dS <- e^{G_C} dS + (Q scale e^G)^T dO - w^T dvn;   dh0 = dS after the segment's first chunk
 //
-// One CTA of VT / 64 compute warpgroups per (segment, head, VT columns), then a producer
-// warpgroup: compute warpgroup wg owns columns 64 wg.. of the tile (its dS in K / 64 wgmma
-// accumulators, its slabs Sb = bf16(dS), dOs, dOg, Dvn); Q, K, w and Att slabs are shared.
+// One CTA of VT / 64 compute warpgroups per (segment, head, VT columns; segments in seg_order,
+// longest first), then a producer warpgroup: compute warpgroup wg owns columns 64 wg.. of the
+// tile (its dS in K / 64 wgmma accumulators, its slabs Sb = bf16(dS), dOs, dOg, Dvn); Q, K, w
+// and Att slabs are shared.
 // The producer fills chunk c - 1's inputs into the other of two buffers while the compute warps
 // work on chunk c: w (and the saved scores) by cp.async straight into their slabs; G, rstd_q,
 // rstd_k by cp.async into its own rows; bf16 q, k, dO by cp.async raw into their slabs, then
@@ -132,7 +133,8 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                        const int32_t* __restrict__ seg_first,
                        const int32_t* __restrict__ seg_last,
-                       const int32_t* __restrict__ seg_len, bf16* __restrict__ dS_end,
+                       const int32_t* __restrict__ seg_len,
+                       const int32_t* __restrict__ seg_order, bf16* __restrict__ dS_end,
                        float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
                        float scale) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
@@ -155,21 +157,24 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
 
   // This CTA's (segment, head, column tile) and chunks, worked out on each side of the role split
   // (nothing is live across it but the kernel's parameters)
+  // (segments in seg_order, longest first; an entry out of range walks nothing: s_ok false)
   struct Cta {
     int hv, hk, s, v0, c_first, c_last;
-    bool empty;
+    bool s_ok, empty;
   };
   auto cta = [&] {
     Cta a;
     const int ntiles = V / VT;
     const int rest = static_cast<int>(blockIdx.x) / ntiles;
     a.hv = rest % HV;
-    a.s = rest / HV;
+    a.s = seg_order[rest / HV];
     a.v0 = static_cast<int>(blockIdx.x) % ntiles * VT;
     a.hk = a.hv / (HV / H);
-    a.c_first = seg_first[a.s];
-    a.c_last = seg_last[a.s];
-    a.empty = seg_len[a.s] <= 0 || a.c_first < 0 || a.c_last >= NC || a.c_last < a.c_first;
+    a.s_ok = a.s >= 0 && a.s < static_cast<int>(gridDim.x) / (ntiles * HV);
+    a.c_first = a.s_ok ? seg_first[a.s] : 0;
+    a.c_last = a.s_ok ? seg_last[a.s] : -1;
+    a.empty = !a.s_ok || seg_len[a.s] <= 0 || a.c_first < 0 || a.c_last >= NC ||
+              a.c_last < a.c_first;
     return a;
   };
   const int64_t state_stride = int64_t{K} * V;
@@ -252,6 +257,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
 
   if constexpr (kRealloc) warpgroup_reg_alloc<kComputeRegs>();
   const Cta a = cta();
+  if (!a.s_ok) return;  // a malformed seg_order entry: no segment to read or write
   const int hv = a.hv, s = a.s, v0 = a.v0, c_first = a.c_first, c_last = a.c_last;
   const bool empty = a.empty;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, qd = lane & 3;

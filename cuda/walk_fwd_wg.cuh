@@ -13,8 +13,8 @@
 // products as they are (bf16 q, k land by cp.async straight into their swizzled slabs, f32 q, k
 // are rounded on the way) and every per-token factor is applied to an accumulator or to v_new.
 // One CTA of V / 64 compute warpgroups plus a producer warpgroup per (segment, value head), grid
-// S x HV (segment-major, in the table's segment order). Compute warpgroup wg owns the value
-// columns 64 wg..64 wg + 63.
+// S x HV (segment-major, the segments in seg_order: longest first, so that the last wave holds
+// the short ones). Compute warpgroup wg owns the value columns 64 wg..64 wg + 63.
 // Tapes: its K x 64 f32 state in K / 64 wgmma accumulators of 64 x 64 (rows: key, columns:
 // value; wg_acc.cuh) and its slabs Sb, Vd. Per chunk:
 //   top: Sb = bf16(S); the product-1 accumulator = u; warpgroup barrier
@@ -87,6 +87,7 @@ struct WalkFwdArgs {
   const int32_t* seg_first;
   const int32_t* seg_last;
   const int32_t* seg_len;
+  const int32_t* seg_order;
   Out* o;
   bf16* h;
   bf16* v_new;
@@ -166,14 +167,18 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
   unsigned char* smem = align_1024(smem_raw);
 
   const int H = a.H, HV = a.HV, NC = a.NC;
-  const int hv = blockIdx.x % HV, s = blockIdx.x / HV;  // segments x heads (table order)
+  // segments x heads, the segments in seg_order (longest first); an entry out of range walks
+  // nothing
+  const int hv = blockIdx.x % HV, s = a.seg_order[blockIdx.x / HV];
   const int hk = hv / (HV / H);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in it
   const bool producer = threadIdx.x >= kCompute;
   const int64_t state_stride = int64_t{K} * V;
-  const int c_first = a.seg_first[s], c_last = a.seg_last[s];
-  const bool empty = a.seg_len[s] <= 0 || c_first < 0 || c_last >= NC || c_last < c_first;
+  const bool s_ok = s >= 0 && s < static_cast<int>(gridDim.x) / HV;
+  const int c_first = s_ok ? a.seg_first[s] : 0, c_last = s_ok ? a.seg_last[s] : -1;
+  const bool empty = !s_ok || a.seg_len[s] <= 0 || c_first < 0 || c_last >= NC ||
+                     c_last < c_first;
 
   auto q_slabs = [&](int b) { return smem + Sm::oQ + b * Sm::kTok; };
   auto k_slabs = [&](int b) { return smem + Sm::oK + b * Sm::kTok; };
@@ -391,6 +396,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
     return;  // barrier 0 is not used after the last chunk opens
   }
   if constexpr (Regs::kRealloc) warpgroup_reg_alloc<Regs::kComputeRegs>();
+  if (!s_ok) return;  // a malformed seg_order entry: no segment to read or write
 
   const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg;
   float* fin = a.final_state + state0;

@@ -33,6 +33,9 @@ class ChunkTable(NamedTuple):
     seg_first: jax.Array  # [S] index of the segment's first chunk (valid when seg_len > 0)
     seg_last: jax.Array  # [S] index of the segment's last chunk (valid when seg_len > 0)
     seg_len: jax.Array  # [S] tokens in the segment
+    # [S] the segments longest first (ties in table order): the order in which the cuda walks
+    # start their CTAs, so that no long segment starts last and runs alone (longest first)
+    seg_order: jax.Array
     token_chunk: jax.Array  # [T] chunk of each token
     token_pos: jax.Array  # [T] position of each token inside its chunk
 
@@ -72,5 +75,6 @@ def chunk_table(bounds, num_tokens: int) -> ChunkTable:
     rel = t - bounds[tseg]
     token_chunk = off[tseg] + rel // CHUNK
     token_pos = rel % CHUNK
-    return ChunkTable(start, length, seg, first, last, off, off_end - 1, seg_len,
+    seg_order = jnp.argsort(-seg_len, stable=True).astype(jnp.int32)
+    return ChunkTable(start, length, seg, first, last, off, off_end - 1, seg_len, seg_order,
                       token_chunk, token_pos)

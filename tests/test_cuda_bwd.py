@@ -94,13 +94,17 @@ def walk_pairs(inp, qk_l2norm):
         bf = jnp.bfloat16  # the cuda kernels take w, h, v_new in bf16
         _, sc_cuda = cuda.output(q, k, G, h.astype(bf), vn.astype(bf), rq, rk, ct.start,
                                  ct.length, scale=scale, out_dtype=v.dtype, with_scores=True)
-        tab = (ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len)
+        tab = (ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order)
+        # the segments' CTAs started in the opposite order: the same values, bit for bit
+        tab_rev = tab[:-1] + (ct.seg_order[::-1],)
         wb = w.astype(bf)
         out = {"xla": X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale),
                "cuda": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, *tab, scale=scale),
                "cuda_sc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc.astype(bf), rq, rk, *tab,
                                         scale=scale),
                "cuda_scc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc_cuda, rq, rk, *tab,
+                                         scale=scale),
+               "cuda_rev": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, *tab_rev,
                                          scale=scale)}
         return out, ct.length
 
@@ -154,7 +158,7 @@ def _abstract_walk(T=300, H=2, HV=6, K=128, V=128, S=5, NC=9, dtype=jnp.bfloat16
                 scores=sds((NC, HV, 64, 64), jnp.bfloat16), rq=sds((T, H), f32),
                 rk=sds((T, H), f32),
                 cs=sds((NC,), i32), cl=sds((NC,), i32), sf=sds((S,), i32), sl=sds((S,), i32),
-                sn=sds((S,), i32))
+                sn=sds((S,), i32), so=sds((S,), i32))
 
 
 @pytest.mark.parametrize("with_scores", [False, True])
@@ -163,9 +167,9 @@ def test_lower_walk_bwd_for_cuda(with_scores, l2):
     need_ext()
     a = _abstract_walk()
 
-    def f(q, k, w, G, do, dfinal, scores, rq, rk, cs, cl, sf, sl, sn):
+    def f(q, k, w, G, do, dfinal, scores, rq, rk, cs, cl, sf, sl, sn, so):
         return cuda.walk_bwd(q, k, w, G, do, dfinal, scores if with_scores else None,
-                             rq if l2 else None, rk if l2 else None, cs, cl, sf, sl, sn,
+                             rq if l2 else None, rk if l2 else None, cs, cl, sf, sl, sn, so,
                              scale=0.125)
 
     hlo = _lower_cuda(f, *a.values())
@@ -301,7 +305,7 @@ def test_bad_inputs_raise_value_error():
 
     def call(**kw):
         a = dict(q=q, k=q, w=w, G=G, do=do, dfinal=df, scores=None, rstd_q=None, rstd_k=None,
-                 chunk_start=cs, chunk_len=cs, seg_first=s, seg_last=s, seg_len=s)
+                 chunk_start=cs, chunk_len=cs, seg_first=s, seg_last=s, seg_len=s, seg_order=s)
         a.update(kw)
         return cuda.walk_bwd(*a.values(), scale=0.1)
 
@@ -326,6 +330,7 @@ def test_bad_inputs_raise_value_error():
         (dict(chunk_len=cs[:2]), "chunk_len"),
         (dict(seg_last=s[:2]), "seg_last"),
         (dict(seg_first=s.astype(jnp.int16)), "seg_first must be int32"),
+        (dict(seg_order=s[:2]), "seg_order must have 3 entries"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=re.escape(msg)):
@@ -466,6 +471,8 @@ def test_gpu_walk_bwd_matches_xla(cfg):
     # with the cuda forward's own scores the kernel sees the same bf16 Att as when it recomputes
     c1, c2 = out["cuda"], out["cuda_scc"]
     assert rel(c2[0], c1[0]) <= 1e-4 and rel(c2[1], c1[1]) <= 1e-4
+    for a, b in zip(out["cuda"], out["cuda_rev"]):  # CTA order changes no value
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     print(f"[{name}] recompute vs cuda scores bitwise equal: "
           f"{all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(c1, c2))}")
 

@@ -135,6 +135,11 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         owc32, _ = C.walk_output(q, k, v, beta, Ab, G, h0, rq, rk, ct, scale=scale,
                                  out_dtype=jnp.float32)
         out["walk_output.o"], out["walk_output.final"] = (owc, ow), (finwc, finw)
+        # the segments' CTAs started in the opposite order: the same values, bit for bit
+        ctr = ct._replace(seg_order=ct.seg_order[::-1])
+        out["final~rev"] = (C.state_walk(k, wb, ub, G, h0, rk, ctr)[2], finc)
+        out["walk_output.o~rev"] = (C.walk_output(q, k, v, beta, Ab, G, h0, rq, rk, ctr,
+                                                  scale=scale, out_dtype=v.dtype)[0], owc)
         out["walk_output.o_f32"] = (owc32, ow)
         hp, vnp, finp = C.state_walk(k, wc, uc, G, h0, rk, ct)
         osep, _ = C.output(q, k, G, hp, vnp, rq, rk, ct, scale=scale, out_dtype=v.dtype)
@@ -334,13 +339,15 @@ def test_bad_inputs_raise_value_error():
     u = jnp.zeros((T, HV, V), jnp.bfloat16)
     s = jnp.zeros((3,), jnp.int32)
     with pytest.raises(ValueError, match="h0"):
-        cuda.state_walk(k, w, u, f, jnp.zeros((2, HV, K, V)), None, cs, cs, s, s, s)
+        cuda.state_walk(k, w, u, f, jnp.zeros((2, HV, K, V)), None, cs, cs, s, s, s, s)
     with pytest.raises(ValueError, match="u must be bfloat16 .as the cuda prep"):
         cuda.state_walk(k, w, u.astype(jnp.float32), f, jnp.zeros((3, HV, K, V)), None, cs, cs,
-                        s, s, s)
+                        s, s, s, s)
     with pytest.raises(ValueError, match="w must be bfloat16 .as the cuda prep"):
         cuda.state_walk(k, w.astype(jnp.float32), u, f, jnp.zeros((3, HV, K, V)), None, cs, cs,
-                        s, s, s)
+                        s, s, s, s)
+    with pytest.raises(ValueError, match="seg_order must have 3 entries"):
+        cuda.state_walk(k, w, u, f, jnp.zeros((3, HV, K, V)), None, cs, cs, s, s, s, s[:2])
     hb = jnp.zeros((NC, HV, K, V), jnp.bfloat16)
     vnb = u
     with pytest.raises(ValueError, match="out_dtype"):
@@ -364,7 +371,7 @@ def test_bad_inputs_raise_value_error():
         cuda.solve_a(jnp.zeros((T, H, 32), jnp.bfloat16), f, f, None, cs, cs)
     h0 = jnp.zeros((3, HV, K, V))
     walk_output = lambda q=k, kk=k, vv=v, A=A, h0=h0, rq=None, dt=jnp.bfloat16: cuda.walk_output(
-        q, kk, vv, f, A, f, h0, rq, None, cs, cs, s, s, s, scale=1.0, out_dtype=dt)
+        q, kk, vv, f, A, f, h0, rq, None, cs, cs, s, s, s, s, scale=1.0, out_dtype=dt)
     with pytest.raises(ValueError, match="out_dtype"):
         walk_output(dt=jnp.float16)
     with pytest.raises(ValueError, match="k must have q's dtype"):
@@ -419,7 +426,7 @@ def test_gpu_primitives_match_xla(cfg):
     for key, e in errs.items():
         assert e <= TOL, (key, e)
     assert errs["A"] <= A_TOL, errs["A"]
-    for key in ("w~wy", "u~wy", "A~solve_a"):
+    for key in ("w~wy", "u~wy", "A~solve_a", "final~rev", "walk_output.o~rev"):
         assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
     # the fused walk + output from prep's A against the separate cuda kernels on prep's w, u:
     # the fused one makes w, u itself (bf16(A diag(.)) K, not bf16(A) bf16(K diag(.))), takes

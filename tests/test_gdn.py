@@ -183,3 +183,8 @@ def test_chunk_table_covers_every_token_once(rng):
         assert np.all(length <= CHUNK)
         tc, tp = np.asarray(ct.token_chunk), np.asarray(ct.token_pos)
         np.testing.assert_array_equal(start[tc] + tp, np.arange(T))
+        # the walks' CTA order: every segment once, longest first, ties in table order
+        order, seg_len = np.asarray(ct.seg_order), np.diff(cu)
+        assert sorted(order.tolist()) == list(range(n))
+        keys = [(-seg_len[i], i) for i in order]
+        assert keys == sorted(keys), (seg_len, order)

@@ -70,12 +70,12 @@ def _cuda_primitives() -> Primitives:
 
     def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale, out_dtype):
         return cuda.walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct.start, ct.length,
-                                ct.seg_first, ct.seg_last, ct.seg_len, scale=scale,
-                                out_dtype=out_dtype)
+                                ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order,
+                                scale=scale, out_dtype=out_dtype)
 
     def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct, *, scale):
         return cuda.walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct.start, ct.length,
-                             ct.seg_first, ct.seg_last, ct.seg_len, scale=scale)
+                             ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order, scale=scale)
 
     def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do, rstd_q, rstd_k, ct, *,
                   scale):
@@ -94,7 +94,8 @@ def _cuda_primitives() -> Primitives:
         solve_a=lambda k, beta, G, rstd_k, ct: cuda.solve_a(k, beta, G, rstd_k, ct.start,
                                                             ct.length),
         state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(
-            k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len),
+            k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len,
+            ct.seg_order),
         output=output,
         walk_output=walk_output,
         walk_bwd=walk_bwd,

@@ -321,11 +321,14 @@ def _table(fn: str, chunk_start, chunk_len):
     return cs, cl
 
 
-def _segments(fn: str, seg_first, seg_last, seg_len):
-    """The walks' segment table: (seg_first, seg_last, seg_len), int32 [S] each."""
+def _segments(fn: str, seg_first, seg_last, seg_len, seg_order):
+    """The walks' segment table: (seg_first, seg_last, seg_len, seg_order), int32 [S] each;
+    seg_order must be a permutation of 0..S-1 (chunks.py: longest segment first; a segment it
+    leaves out is not walked)."""
     sl = _i32(fn, "seg_len", seg_len)
     S = sl.shape[0]
-    return _i32(fn, "seg_first", seg_first, S), _i32(fn, "seg_last", seg_last, S), sl
+    return (_i32(fn, "seg_first", seg_first, S), _i32(fn, "seg_last", seg_last, S), sl,
+            _i32(fn, "seg_order", seg_order, S))
 
 
 def l2norm_rstd(x):
@@ -430,7 +433,7 @@ def solve_a(k, beta, G, rstd_k, chunk_start, chunk_len):
 
 
 def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, seg_last,
-                 seg_len):
+                 seg_len, seg_order):
     """state_walk's checks of (w, u, G, h0, the chunk table, the segment table). HV and V come
     from u [T, HV, V]."""
     u = _tokens_v(fn, "u", u, T)
@@ -441,12 +444,13 @@ def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, se
     w = _bf16(fn, "w", w, (T, HV, K), _W_FROM)
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
-    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
+    sf, sla, sl, so = _segments(fn, seg_first, seg_last, seg_len, seg_order)
     h0 = _f32(fn, "h0", h0, (sl.shape[0], HV, K, V))
-    return w, u, G, h0, cs, cl, sf, sla, sl
+    return w, u, G, h0, cs, cl, sf, sla, sl, so
 
 
-def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len):
+def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len,
+               seg_order):
     """Walk each segment's chunks in order from its entry state h0 [S, HV, K, V].
 
     w: bfloat16 [T, HV, K] as `prep` returns it. Returns h bfloat16 [NC, HV, K, V] (the state
@@ -458,14 +462,15 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
     fn = "state_walk"
     k = _qkv(fn, "k", k)
     T, H, K = k.shape
-    w, u, G, h0, cs, cl, sf, sla, sl = _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start,
-                                                     chunk_len, seg_first, seg_last, seg_len)
+    w, u, G, h0, cs, cl, sf, sla, sl, so = _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start,
+                                                         chunk_len, seg_first, seg_last, seg_len,
+                                                         seg_order)
     HV, V = u.shape[1], u.shape[2]
     NC, S = cs.shape[0], sl.shape[0]
     r = _rstd(fn, "rstd_k", rstd_k, T, H)
     return tuple(_call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
                             ((S, HV, K, V), jnp.float32)],
-                       k, w, u, G, h0, r, cs, cl, sf, sla, sl))
+                       k, w, u, G, h0, r, cs, cl, sf, sla, sl, so))
 
 
 def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
@@ -497,7 +502,7 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
 
 
 def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
-                seg_last, seg_len, *, scale: float, out_dtype):
+                seg_last, seg_len, seg_order, *, scale: float, out_dtype):
     """wy, state_walk and output in one kernel (the light forward): w, u, h and v_new never
     leave the chip.
 
@@ -520,14 +525,14 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
     A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
-    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
+    sf, sla, sl, so = _segments(fn, seg_first, seg_last, seg_len, seg_order)
     S = sl.shape[0]
     h0 = _f32(fn, "h0", h0, (S, HV, K, V))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
     o, final = _call(fn, [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)],
-                     q, k, v, beta, A, G, h0, rq, rk, cs, cl, sf, sla, sl,
+                     q, k, v, beta, A, G, h0, rq, rk, cs, cl, sf, sla, sl, so,
                      scale=np.float32(scale))
     return o, final
 
@@ -538,7 +543,7 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
 
 
 def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
-             seg_last, seg_len, *, scale: float):
+             seg_last, seg_len, seg_order, *, scale: float):
     """Reverse walk for the state gradients (xla.walk_bwd with the chunk table as arrays).
 
     q, k: bf16/f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
@@ -563,7 +568,7 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     G = _f32(fn, "G", G, (T, HV))
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
-    sf, sla, sl = _segments(fn, seg_first, seg_last, seg_len)
+    sf, sla, sl, so = _segments(fn, seg_first, seg_last, seg_len, seg_order)
     S = sl.shape[0]
     dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
     if scores is None:
@@ -573,7 +578,7 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     dS_end, dh0 = _call(fn, [((NC, HV, K, V), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
-                        q, k, w, G, do, dfinal, sc, rq, rk, cs, cl, sf, sla, sl,
+                        q, k, w, G, do, dfinal, sc, rq, rk, cs, cl, sf, sla, sl, so,
                         scale=np.float32(scale))
     return dS_end, dh0
 
