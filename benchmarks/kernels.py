@@ -159,6 +159,8 @@ def primitive_calls(wl, backend: str, lib=None):
         ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk,
                                            ct)),
     ]
+    if hasattr(P, "replay"):  # the light backward's replay in one kernel (wy + state walk before)
+        calls.append(("bwd light: replay", jax.jit(P.replay), (k, v, beta, G, A, h0, rk, ct)))
     return calls
 
 

@@ -250,6 +250,26 @@ __device__ __forceinline__ void scale_tile_bf16_at(At at, int len, const float* 
   }
 }
 
+// The scaled copy of a bf16 tile (element (t, c) at from(t, c)) into another one (to(t, c); may
+// be the same): bf16(x * s[t]) for rows t < len, zero for the others (whatever their source).
+template <int Rows, int D, int Threads, typename From, typename To>
+__device__ __forceinline__ void scale_tile_bf16_copy_at(From from, To to, int len,
+                                                        const float* s) {
+  using P = TilePieces<Rows, D, Threads>;
+  const int t0 = P::row0(), c = P::col();
+#pragma unroll
+  for (int j = 0; j < P::kPer; ++j) {
+    const int t = t0 + j * P::kRowStep;
+    if (t < len) {
+      float f[8];
+      lds8(from(t, c), f);
+      sts8_bf16(to(t, c), f, s[t]);
+    } else {
+      sts8_zero(to(t, c));
+    }
+  }
+}
+
 template <int Rows, int D, int Threads>
 __device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, const float* s) {
   scale_tile_bf16_at<Rows, D, Threads>([=](int t, int c) { return dst + t * ld + c; }, len, s);

@@ -14,10 +14,17 @@
 //                            seg_first, seg_last, seg_len, seg_order; scale)
 //       -> o [T, HV, V] (bf16 or f32, the result type chooses), final f32[S, HV, K, V]
 //
+//   jax_cake_gdn_replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first,
+//                       seg_last, seg_len, seg_order) -> h, v_new, w bf16[T, HV, K], final
+//
+// The light backward's replay: state_walk on prep's w, u, made on chip from A (as prep and wy
+// make them, bit for bit: bf16(k diag(beta e^G rstd)), bf16(v diag(beta)), times bf16 A in 4
+// k16 steps, rounded to bf16), and w written for walk_bwd (u is not needed after the walk).
+//
 // The light forward's walk: o = output(state_walk(...)) with w, u made on chip from A bf16[NC,
 // HV, 64, 64] (solve_a's) and h, v_new kept there. q, k, v: same dtype (v [T, HV, V]); beta
 // f32[T, HV]; rstd_q f32[T, H] or f32[1]; the rest as state_walk. bf16 q, k, v and A reach the
-// kernel by TMA: the handler encodes their tensor maps (tma.cuh). Launch (both): one CTA of
+// kernel by TMA: the handler encodes their tensor maps (tma.cuh). Launch (all three): one CTA of
 // V / 64 compute warpgroups and a producer warpgroup per (segment, value head), grid S x HV
 // (segment-major, the segments in seg_order: chunks.py sorts them longest first).
 #include "fwd_args.cuh"
@@ -68,6 +75,64 @@ std::string token_map(CUtensorMap* m, const void* base, int64_t T, int64_t heads
   return make_tma_bf16(m, base, 3, dims, strides, box);
 }
 
+// A TMA map of A bf16[NC, HV, 64, 64] as [NC * HV * 64, 64]: one 64 x 64 box a (chunk, head).
+std::string a_map(CUtensorMap* m, const void* A, int64_t NC, int64_t HV) {
+  const uint64_t dims[2] = {kChunk, static_cast<uint64_t>(NC * HV * kChunk)};
+  const uint64_t strides[1] = {kChunk * 2};
+  const uint32_t box[2] = {64, kChunk};
+  return make_tma_bf16(m, A, 2, dims, strides, box);
+}
+
+// The checks every walk shares: G, rstd_k, the chunk and segment tables, h0 [S, HV, K, V]; sets
+// NC, S and has_rstd. Returns "" or what is wrong.
+std::string check_walk_inputs(const ffi::Buffer<ffi::F32>& G, const ffi::Buffer<ffi::F32>& h0,
+                              const ffi::Buffer<ffi::F32>& rstd_k,
+                              const ffi::Buffer<ffi::S32>& chunk_start,
+                              const ffi::Buffer<ffi::S32>& chunk_len,
+                              const ffi::Buffer<ffi::S32>& seg_first,
+                              const ffi::Buffer<ffi::S32>& seg_last,
+                              const ffi::Buffer<ffi::S32>& seg_len,
+                              const ffi::Buffer<ffi::S32>& seg_order, int64_t T, int64_t H,
+                              int64_t HV, int64_t K, int64_t V, int64_t& NC, int64_t& S,
+                              bool& has_rstd) {
+  std::string m;
+  if (!(m = check_th("G", G.dimensions(), T, HV)).empty()) return m;
+  if (!(m = check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rstd)).empty()) return m;
+  if (!(m = check_table(chunk_start.dimensions(), chunk_len.dimensions())).empty()) return m;
+  NC = chunk_start.dimensions()[0];
+  if (!(m = check_segments(seg_first.dimensions(), seg_last.dimensions(), seg_len.dimensions(),
+                           seg_order.dimensions()))
+           .empty())
+    return m;
+  S = seg_len.dimensions()[0];
+  if (S * HV >= (int64_t{1} << 31)) return "S * HV too large";
+  if (T >= (int64_t{1} << 31)) return "T must be below 2^31";
+  if (!dims_are(h0.dimensions(), {S, HV, K, V}))
+    return "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions());
+  return {};
+}
+
+// The tapes' results: h bf16[NC, HV, K, V], v_new bf16[T, HV, V], final f32[S, HV, K, V].
+std::string check_tapes(ffi::Span<const int64_t> h, ffi::Span<const int64_t> v_new,
+                        ffi::Span<const int64_t> fin, int64_t NC, int64_t T, int64_t S,
+                        int64_t HV, int64_t K, int64_t V) {
+  if (!dims_are(h, {NC, HV, K, V})) return "h must be bf16[NC, HV, K, V], got shape " + dims_str(h);
+  if (!dims_are(v_new, {T, HV, V}))
+    return "v_new must be bf16[T, HV, V], got shape " + dims_str(v_new);
+  if (!dims_are(fin, {S, HV, K, V}))
+    return "final must be f32[S, HV, K, V], got shape " + dims_str(fin);
+  return {};
+}
+
+// One CTA of V / 64 compute warpgroups and a producer warpgroup per (segment, value head), the
+// segments in seg_order.
+template <WalkMode M, typename In, typename Out, int K, int V>
+cudaError_t launch_walk(const WalkFwdArgs<In, Out>& a, int64_t S, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(S * a.HV));
+  return launch(walk_fwd_wg_kernel<M, In, Out, K, V>, grid, walk_fwd_wg_threads<V>(),
+                WalkFwdWgSmem<M, K, V>::bytes, stream, a);
+}
+
 ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::BF16> w,
                            ffi::Buffer<ffi::BF16> u, ffi::Buffer<ffi::F32> G,
                            ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> rstd_k,
@@ -88,25 +153,12 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
   JCG_CHECK_MSG(check_v(V));
   JCG_CHECK_ARG(dims_are(w.dimensions(), {T, HV, K}),
                 "w must be bf16[T, HV, K], got shape " + dims_str(w.dimensions()));
-  JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
+  int64_t NC, S;
   bool has_rstd = false;
-  JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rstd));
-  JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
-  const int64_t NC = chunk_start.dimensions()[0];
-  JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
-                               seg_len.dimensions(), seg_order.dimensions()));
-  const int64_t S = seg_len.dimensions()[0];
-  JCG_CHECK_ARG(S * HV < (int64_t{1} << 31), "S * HV too large");
-  JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
-                "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions()));
-  JCG_CHECK_ARG(dims_are(h->dimensions(), {NC, HV, K, V}),
-                "h must be bf16[NC, HV, K, V], got shape " + dims_str(h->dimensions()));
-  JCG_CHECK_ARG(dims_are(v_new->dimensions(), {T, HV, V}),
-                "v_new must be bf16[T, HV, V], got shape " + dims_str(v_new->dimensions()));
-  JCG_CHECK_ARG(dims_are(final_state->dimensions(), {S, HV, K, V}),
-                "final must be f32[S, HV, K, V], got shape " + dims_str(final_state->dimensions()));
-
-  JCG_CHECK_ARG(T < (int64_t{1} << 31), "T must be below 2^31");
+  JCG_CHECK_MSG(check_walk_inputs(G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
+                                  seg_len, seg_order, T, H, HV, K, V, NC, S, has_rstd));
+  JCG_CHECK_MSG(check_tapes(h->dimensions(), v_new->dimensions(), final_state->dimensions(), NC,
+                            T, S, HV, K, V));
 
   JCG_CHECK_CUDA(poison(stream, *h));
   JCG_CHECK_CUDA(poison(stream, *v_new));
@@ -132,9 +184,7 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
           if (map_err.empty()) map_err = token_map(&a.tm_u, a.u, T, HV, VT);
           if (!map_err.empty()) return;
         }
-        const dim3 grid(static_cast<unsigned>(S * HV));  // segments (in seg_order) x heads
-        err = launch(walk_fwd_wg_kernel<false, In, bf16, KD, VT>, grid,
-                     walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<false, KD, VT>::bytes, stream, a);
+        err = launch_walk<WalkMode::kTapes, In, bf16, KD, VT>(a, S, stream);
       });
     });
   });
@@ -180,12 +230,7 @@ std::string walk_output_maps(WalkFwdArgs<bf16, Out>& a, int64_t T, int64_t H, in
   std::string e = token_map(&a.tm_q, a.q, T, H, K);
   if (e.empty()) e = token_map(&a.tm_k, a.k, T, H, K);
   if (e.empty()) e = token_map(&a.tm_v, a.v, T, HV, V);
-  if (e.empty()) {
-    const uint64_t dims[2] = {kChunk, static_cast<uint64_t>(NC * HV * kChunk)};
-    const uint64_t strides[1] = {kChunk * 2};
-    const uint32_t box[2] = {64, kChunk};
-    e = make_tma_bf16(&a.tm_A, a.A, 2, dims, strides, box);
-  }
+  if (e.empty()) e = a_map(&a.tm_A, a.A, NC, HV);
   return e;
 }
 
@@ -206,22 +251,14 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   JCG_CHECK_MSG(check_tokens_v("v", v, "q", q.element_type(), T, HV, V));
   JCG_CHECK_MSG(check_heads(H, HV));
   JCG_CHECK_MSG(check_th("beta", beta.dimensions(), T, HV));
-  JCG_CHECK_MSG(check_th("G", G.dimensions(), T, HV));
   bool has_rq = false, has_rk = false;
   JCG_CHECK_MSG(check_rstd("rstd_q", rstd_q.dimensions(), T, H, has_rq));
-  JCG_CHECK_MSG(check_rstd("rstd_k", rstd_k.dimensions(), T, H, has_rk));
-  JCG_CHECK_MSG(check_table(chunk_start.dimensions(), chunk_len.dimensions()));
-  const int64_t NC = chunk_start.dimensions()[0];
+  int64_t NC, S;
+  JCG_CHECK_MSG(check_walk_inputs(G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
+                                  seg_len, seg_order, T, H, HV, K, V, NC, S, has_rk));
   JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
-  JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31) && T < (int64_t{1} << 31),
-                "NC * HV * 64 and T must be below 2^31");
-  JCG_CHECK_MSG(check_segments(seg_first.dimensions(), seg_last.dimensions(),
-                               seg_len.dimensions(), seg_order.dimensions()));
-  const int64_t S = seg_len.dimensions()[0];
-  JCG_CHECK_ARG(S * HV < (int64_t{1} << 31), "S * HV too large");
-  JCG_CHECK_ARG(dims_are(h0.dimensions(), {S, HV, K, V}),
-                "h0 must be f32[S, HV, K, V], got shape " + dims_str(h0.dimensions()));
+  JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31), "NC * HV * 64 must be below 2^31");
   JCG_CHECK_ARG(dims_are(o->dimensions(), {T, HV, V}),
                 "o must be [T, HV, V], got shape " + dims_str(o->dimensions()));
   const ffi::DataType odt = o->element_type();
@@ -256,9 +293,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
             map_err = walk_output_maps(a, T, H, HV, KD, VT, NC);
             if (!map_err.empty()) return;
           }
-          const dim3 grid(static_cast<unsigned>(S * HV));  // segments (in seg_order) x heads
-          err = launch(walk_fwd_wg_kernel<true, In, Out, KD, VT>, grid,
-                       walk_fwd_wg_threads<VT>(), WalkFwdWgSmem<true, KD, VT>::bytes, stream, a);
+          err = launch_walk<WalkMode::kOut, In, Out, KD, VT>(a, S, stream);
         });
       });
     });
@@ -291,5 +326,100 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output, jax_cake_gdn::walk_outpu
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
                                   .Attr<float>("scale")
                                   .Ret<xla::ffi::AnyBuffer>()              // o
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+#undef JCG_HANDLER_NAME
+#define JCG_HANDLER_NAME "jax_cake_gdn_replay"
+
+namespace jax_cake_gdn {
+namespace {
+
+ffi::Error replay_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::BF16> A,
+                       ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
+                       ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
+                       ffi::Buffer<ffi::S32> chunk_len, ffi::Buffer<ffi::S32> seg_first,
+                       ffi::Buffer<ffi::S32> seg_last, ffi::Buffer<ffi::S32> seg_len,
+                       ffi::Buffer<ffi::S32> seg_order, ffi::ResultBuffer<ffi::BF16> h,
+                       ffi::ResultBuffer<ffi::BF16> v_new, ffi::ResultBuffer<ffi::BF16> w,
+                       ffi::ResultBuffer<ffi::F32> final_state) {
+  JCG_CHECK_MSG(check_qk("k", k));
+  const auto kd = k.dimensions();
+  const int64_t T = kd[0], H = kd[1], K = kd[2];
+  int64_t HV, V;
+  JCG_CHECK_MSG(check_tokens_v("v", v, "k", k.element_type(), T, HV, V));
+  JCG_CHECK_MSG(check_heads(H, HV));
+  JCG_CHECK_MSG(check_th("beta", beta.dimensions(), T, HV));
+  int64_t NC, S;
+  bool has_rstd = false;
+  JCG_CHECK_MSG(check_walk_inputs(G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
+                                  seg_len, seg_order, T, H, HV, K, V, NC, S, has_rstd));
+  JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
+                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
+  JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31), "NC * HV * 64 must be below 2^31");
+  JCG_CHECK_MSG(check_tapes(h->dimensions(), v_new->dimensions(), final_state->dimensions(), NC,
+                            T, S, HV, K, V));
+  JCG_CHECK_ARG(dims_are(w->dimensions(), {T, HV, K}),
+                "w must be bf16[T, HV, K], got shape " + dims_str(w->dimensions()));
+
+  JCG_CHECK_CUDA(poison(stream, *h));
+  JCG_CHECK_CUDA(poison(stream, *v_new));
+  JCG_CHECK_CUDA(poison(stream, *w));
+  JCG_CHECK_CUDA(poison(stream, *final_state));
+  cudaError_t err = cudaSuccess;
+  std::string map_err;
+  dispatch_float_type(k.element_type(), [&](auto tag) {
+    using In = typename decltype(tag)::type;
+    dispatch_head_dim(K, [&](auto kdim) {
+      constexpr int KD = decltype(kdim)::value;
+      dispatch_head_dim(V, [&](auto vdim) {  // one CTA covers all V columns
+        constexpr int VT = decltype(vdim)::value;
+        auto a = walk_args<In, bf16>(k, G, h0, has_rstd ? rstd_k.typed_data() : nullptr,
+                                     chunk_start, chunk_len, seg_first, seg_last, seg_len,
+                                     seg_order, final_state->typed_data(), T, H, HV, NC);
+        a.v = static_cast<const In*>(v.untyped_data());
+        a.beta = beta.typed_data();
+        a.A = static_cast<const bf16*>(A.untyped_data());
+        a.h = static_cast<bf16*>(h->untyped_data());
+        a.v_new = static_cast<bf16*>(v_new->untyped_data());
+        a.w_out = static_cast<bf16*>(w->untyped_data());
+        if constexpr (std::is_same_v<In, bf16>) {  // the producer's TMA loads of k, v, A
+          map_err = token_map(&a.tm_k, a.k, T, H, KD);
+          if (map_err.empty()) map_err = token_map(&a.tm_v, a.v, T, HV, VT);
+          if (map_err.empty()) map_err = a_map(&a.tm_A, a.A, NC, HV);
+          if (!map_err.empty()) return;
+        }
+        err = launch_walk<WalkMode::kReplay, In, bf16, KD, VT>(a, S, stream);
+      });
+    });
+  });
+  if (!map_err.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": " + map_err);
+  JCG_CHECK_CUDA(err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_cake_gdn
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_replay, jax_cake_gdn::replay_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // k
+                                  .Arg<xla::ffi::AnyBuffer>()              // v
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,8 +1,12 @@
-// The forward state walks on Hopper warpgroup MMA, one kernel template for both:
-//   kOut = false, the state walk (DESIGN.md section 1): writes the h tape, v_new and the final
-//     state;
-//   kOut = true, the light forward's fused walk + output: writes o and the final state (neither
-//     h nor v_new leaves the chip), and reads A instead of w, u (it makes them on chip).
+// The forward state walks on Hopper warpgroup MMA, one kernel template for three modes
+// (WalkMode):
+//   kTapes, the state walk (DESIGN.md section 1): reads w, u; writes the h tape, v_new and the
+//     final state;
+//   kReplay, the light backward's replay: the same walk and outputs (plus w), but reads A and
+//     makes w, u on chip as prep does (bit for bit), so no wy pass is needed;
+//   kOut, the light forward's fused walk + output: writes o and the final state (neither h nor
+//     v_new leaves the chip), and reads A instead of w, u (it makes them on chip).
+// Below, "tapes" is kTapes and kReplay where they share their compute path.
 // Per segment and value head, walk the segment's chunks in order:
 //
 //   h[c] = S;   v_new = u - w S;   S <- e^{G_C} S + k^T diag(d) v_new,  d_t = r_t e^{G_C - G_t}
@@ -34,7 +38,7 @@
 //     S^T = e^{G_C} S^T + vd K (m64nK, B = k [token][K] MN-major)
 //   o = scale rq (o^T)^T: bf16 through the Vd slab by stmatrix .trans, then 16-byte stores of
 //   whole rows (f32 o: 4-byte stores)
-// Both modes make the same products over the same bf16 operands in the same k16 order.
+// All modes make the same walk products over the same bf16 operands in the same k16 order.
 // The per-token factors of kOut (d, e^G, scale rq) are made by the producer into its rows.
 // Every input of chunk c + 1 (k, w, u, rows G / rstd; kOut: q, rstd_q) is double-buffered by
 // chunk parity and made by the producer warpgroup (after the compute warpgroups) while the
@@ -42,20 +46,24 @@
 // before it arrives at the barrier that opens chunk c + 1. kOut with bf16 inputs loads q, k, v
 // and A by TMA (tma.cuh; one thread, one mbarrier a buffer), then zeroes the rows past a
 // partial chunk's end (TMA reads on into the next document), as the cp.async zero fill does.
-// The tapes mode copies w and u. kOut makes them (prep's w, u up to bf16 rounding; prep.cuh):
+// kTapes copies w and u. kReplay makes prep's (prep.cuh): bf16(k diag(beta e^G r)) into the w
+// slabs and bf16(v diag(beta)) in the u slabs, then w = A (that), u = A (that) in place (m64n64
+// wgmma blocks, 4 k16 steps from zero, rounded to bf16: prep's and wy's mma.sync products), and
+// it writes w's token rows for walk_bwd. kOut makes them (prep's w, u up to bf16 rounding):
 //   A_u = bf16(A diag(beta)),  A_w = bf16(A diag(beta e^G r))   (A bf16 from solve_a / prep)
 //   u^T = V^T A_u^T,  w = A_w K   (m64n64 wgmma blocks, f32 accumulate, rounded to bf16 into
 //   the slabs)
 // with v landing in the u slabs (each 64-column block of u^T overwrites the v columns it read)
 // and k in its own slabs (the compute warps read it as they are). A diag(.) rounds where prep
 // rounds K diag(.), so o agrees with a walk on prep's w, u to about one bf16 rounding.
-// Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut: 88, for its 32-register
-// wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at launch,
-// compute 224, kOut 208; tapes at V = 64: 2 CTAs per SM, 128 at launch, compute 200; kOut at
-// V = 64: 1 CTA per SM, no reallocation).
+// Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut, kReplay: 88, for its
+// 32-register wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at
+// launch, compute 224, kOut and kReplay 208; kTapes at V = 64: 2 CTAs per SM, 128 at launch,
+// compute 200; kOut, kReplay at V = 64: 1 CTA per SM, no reallocation).
 // Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Vd 2 x 8 KB, rows, + 1 KB
-// alignment; tapes: Sb 2 x 16 KB, 146 KB in all; kOut: q 2 x 16 KB, Att 8 KB, A_u and A_w 8 KB
-// each, 6 rows a buffer: about 172 KB. One CTA of 12 warps per SM.
+// alignment; tapes: Sb 2 x 16 KB, 146 KB in all (kReplay: + A 8 KB, 4 rows a buffer); kOut: q
+// 2 x 16 KB, Att 8 KB, A_u and A_w 8 KB each, 6 rows a buffer: about 172 KB. One CTA of 12 warps
+// per SM.
 #pragma once
 
 #include <type_traits>
@@ -65,11 +73,11 @@
 
 namespace jax_cake_gdn {
 
-// Operands of walk_fwd_wg_kernel. q, v, beta, A, rstd_q, o, scale: kOut only; w, u, h, v_new:
-// tapes only.
+// Operands of walk_fwd_wg_kernel (WalkMode): q, rstd_q, o, scale: kOut only; v, beta, A: kOut and
+// kReplay; w, u: kTapes; h, v_new: kTapes and kReplay; w_out: kReplay.
 template <typename In, typename Out>
 struct WalkFwdArgs {
-  // bf16 inputs: the producer's TMA loads (kOut: q, k, v, A; tapes: k, w, u)
+  // bf16 inputs: the producer's TMA loads (kOut: q, k, v, A; kTapes: k, w, u; kReplay: k, v, A)
   CUtensorMap tm_q, tm_k, tm_v, tm_A, tm_w, tm_u;
   const In* q;
   const In* k;
@@ -91,19 +99,31 @@ struct WalkFwdArgs {
   Out* o;
   bf16* h;
   bf16* v_new;
+  bf16* w_out;
   float* final_state;
   int64_t num_tokens;
   int H, HV, NC;
   float scale;
 };
 
-template <bool kOut, int K, int V>
+// What an instance of walk_fwd_wg_kernel reads and writes.
+enum class WalkMode {
+  kTapes,   // k, w, u in; the h tape, v_new and the final state out (the full forward)
+  kReplay,  // k, v, beta, A in, w and u made on chip as prep makes them (bit for bit); the h
+            // tape, v_new, w and the final state out (the light backward's replay)
+  kOut,     // q, k, v, beta, A in, w and u made on chip; o and the final state out (the light
+            // forward)
+};
+
+template <WalkMode M, int K, int V>
 struct WalkFwdWgSmem {
+  static constexpr bool kOut = M == WalkMode::kOut, kFromA = M != WalkMode::kTapes;
   static constexpr int kWarpgroups = V / 64;  // compute warpgroups
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  // G, rstd; kOut: scale rstd_q, beta, d, e^G
-  static constexpr size_t kRows = (kOut ? 6 : 2) * kChunk * sizeof(float);
+  // G, rstd; kOut: scale rstd_q, beta, d, e^G; kReplay: beta, w's k scale beta e^G rstd
+  static constexpr size_t kRows =
+      (kOut ? 6 : M == WalkMode::kReplay ? 4 : 2) * kChunk * sizeof(float);
   static constexpr size_t oK = 0;                                        // 2 buffers
   static constexpr size_t oWs = oK + 2 * kTok;                           // 2 buffers
   static constexpr size_t oUs = oWs + 2 * kTok;  // 2 buffers of V / 64 slabs [token][v]
@@ -112,11 +132,13 @@ struct WalkFwdWgSmem {
   static constexpr size_t oVd = oSb + (kOut ? 0 : kWarpgroups * size_t{K} * 128);
   static constexpr size_t oQ = oVd + kWarpgroups * kSlab;                // kOut: 2 buffers
   static constexpr size_t oAtt = oQ + (kOut ? 2 * kTok : 0);             // kOut: [i][j]
-  static constexpr size_t oAu = oAtt + (kOut ? kSlab : 0);  // kOut: A_u, then A_w (producer)
-  static constexpr size_t oAw = oAu + (kOut ? kSlab : 0);
+  // the producer's A (kFromA; kOut: A_u) and A_w (kOut)
+  static constexpr size_t oAu = oAtt + (kOut ? kSlab : 0);
+  static constexpr size_t oAw = oAu + (kFromA ? kSlab : 0);
   static constexpr size_t oRows = oAw + (kOut ? kSlab : 0);              // 2 buffers
   static constexpr size_t oBar = oRows + 2 * kRows;  // 2 mbarriers (TMA: one a buffer)
   static constexpr size_t bytes = oBar + 16 + 1024;  // + alignment
+  static_assert(!kFromA || oRows >= oAu + kSlab, "walk_fwd_wg: A overlaps the rows");
   static_assert(bytes <= 227 * 1024, "walk_fwd_wg: shared memory over the sm_90 limit");
 };
 
@@ -125,35 +147,37 @@ constexpr int walk_fwd_wg_threads() {
   return 2 * V + 128;  // V / 64 compute warpgroups of 128, then the producer warpgroup
 }
 
-// CTAs per SM the launch bounds ask for: 2 for the tapes at V = 64 (one compute warpgroup, about
+// CTAs per SM the launch bounds ask for: 2 for kTapes at V = 64 (one compute warpgroup, about
 // 106 KB of shared memory), else 1.
-template <bool kOut, int V>
+template <WalkMode M, int V>
 constexpr int walk_fwd_wg_ctas() {
-  return !kOut && V == 64 ? 2 : 1;
+  return M == WalkMode::kTapes && V == 64 ? 2 : 1;
 }
 
-// setmaxnreg targets (a multiple of 8 each): the producer's 56 (kOut 80) and the compute
-// warpgroups' share of the rest of the launch allocation; none when the launch allows 255 already.
-template <bool kOut, int V>
+// setmaxnreg targets (a multiple of 8 each): the producer's 56 (w, u made on chip: 88) and the
+// compute warpgroups' share of the rest of the launch allocation; none when the launch allows 255
+// already.
+template <WalkMode M, int V>
 struct WalkFwdWgRegs {
   static constexpr int kThreads = walk_fwd_wg_threads<V>(), kWarpgroups = V / 64;
-  static constexpr int kLaunch = 65536 / (kThreads * walk_fwd_wg_ctas<kOut, V>()) / 8 * 8;
+  static constexpr int kLaunch = 65536 / (kThreads * walk_fwd_wg_ctas<M, V>()) / 8 * 8;
   static constexpr bool kRealloc = kLaunch < 255;
-  static constexpr int kProducerRegs = kOut ? 88 : 56;
+  static constexpr int kProducerRegs = M == WalkMode::kTapes ? 56 : 88;
   static constexpr int kComputeRegs =
       ((kWarpgroups + 1) * kLaunch - kProducerRegs) / kWarpgroups / 8 * 8;
   static_assert(!kRealloc || (kComputeRegs >= kLaunch && kComputeRegs <= 256),
                 "bad register split");
 };
 
-template <bool kOut, typename In, typename Out, int K, int V>
-__global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kOut, V>()))
+template <WalkMode M, typename In, typename Out, int K, int V>
+__global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M, V>()))
     walk_fwd_wg_kernel(const __grid_constant__ WalkFwdArgs<In, Out> a) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(V == 64 || V == 128, "V = 64 or 128");
-  using Sm = WalkFwdWgSmem<kOut, K, V>;
-  using Regs = WalkFwdWgRegs<kOut, V>;
-  static_assert(walk_fwd_wg_ctas<kOut, V>() * (Sm::bytes + 1024) <= 228 * 1024,
+  constexpr bool kOut = M == WalkMode::kOut, kReplay = M == WalkMode::kReplay;
+  using Sm = WalkFwdWgSmem<M, K, V>;
+  using Regs = WalkFwdWgRegs<M, V>;
+  static_assert(walk_fwd_wg_ctas<M, V>() * (Sm::bytes + 1024) <= 228 * 1024,
                 "walk_fwd_wg: the CTAs per SM do not fit in shared memory");
   constexpr int kCompute = 2 * V;  // compute threads; the producer warpgroup follows them
   constexpr int kLoaders = 128;
@@ -341,6 +365,89 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<kO
         producer_sync();  // A_u, A_w (and zeroed rows) for the products
         ut_product(Au, u_slabs(b));
         wu_product(Aw, k_slabs(b), w_slabs(b), K);
+      } else if constexpr (kReplay) {  // rows; k, v (into the u slabs), A; then w, u
+        const RowVector vecs[3] = {{r, a.G, HV, hv},
+                                   {r + kChunk, a.rstd, H, hk},
+                                   {r + 2 * kChunk, a.beta, HV, hv}};
+        cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+        cp_async_commit();
+        unsigned char* As = smem + Sm::oAu;
+        const int row_A = (c * HV + hv) * kChunk, t0 = static_cast<int>(cs.start);
+        const int pt = threadIdx.x - kCompute;
+        // w's k scale, beta e^G rstd, as prep and wy evaluate it (rows >= len: 0)
+        auto k_scales = [&] {
+          if (pt < kChunk)
+            r[3 * kChunk + pt] = r[2 * kChunk + pt] * exp_ftz(r[pt]) *
+                                 (a.rstd != nullptr ? r[kChunk + pt] : 1.f);
+        };
+        if constexpr (kTma) {
+          if (threadIdx.x == kCompute) {
+            uint64_t* bar = bars + b;
+            mbar_arrive_expect_tx(bar, static_cast<uint32_t>(Sm::kSlab + Sm::kTok +
+                                                             Sm::kWarpgroups * Sm::kSlab));
+            tma_load_2d(As, &a.tm_A, 0, row_A, bar);
+#pragma unroll
+            for (int j = 0; j < V / 64; ++j)
+              tma_load_3d(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0, bar);
+#pragma unroll
+            for (int j = 0; j < K / 64; ++j)
+              tma_load_3d(k_slabs(b) + j * Sm::kSlab, &a.tm_k, 64 * j, hk, t0, bar);
+          }
+          cp_async_wait_all();
+          producer_sync();  // rows
+          k_scales();
+          mbar_wait(bars + b, ((c - c_first) >> 1) & 1);
+          if (cs.len < kChunk)  // k rows past the chunk's end: zero, as cp.async leaves them
+            zero_slab_rows<kLoaders>(k_slabs(b), K / 64, cs.len, pt);
+          producer_sync();  // the k scales
+          // prep's operands: bf16(k diag(beta e^G rstd)) into the w slabs, bf16(v diag(beta))
+          // in place; rows past the chunk's end zero (v's too: TMA read on into the next
+          // document)
+          scale_tile_bf16_copy_at<kChunk, K, kLoaders>(slab_at<kChunk>(k_slabs(b)),
+                                                       slab_at<kChunk>(w_slabs(b)), cs.len,
+                                                       r + 3 * kChunk);
+          scale_tile_bf16_copy_at<kChunk, V, kLoaders>(slab_at<kChunk>(u_slabs(b)),
+                                                       slab_at<kChunk>(u_slabs(b)), cs.len,
+                                                       r + 2 * kChunk);
+        } else {  // f32 k, v: scaled (w, u operands) and rounded (k) on the way
+          cp_async_tile_at<kChunk, kChunk, kLoaders, kCopyUnroll>(
+              slab_at<kChunk>(As), a.A + static_cast<int64_t>(row_A) * kChunk, kChunk, kChunk);
+          cp_async_commit();
+          copy_qk(a.k, k_slabs(b), cs.start, cs.len);
+          cp_async_wait_all();
+          producer_sync();  // rows
+          k_scales();
+          producer_sync();  // the k scales
+          const float* sk = r + 3 * kChunk;
+          const float* sv = r + 2 * kChunk;
+          load_tile_bf16_at<kChunk, K, 2, kLoaders>(slab_at<kChunk>(w_slabs(b)),
+                                                    a.k + (cs.start * H + hk) * K,
+                                                    int64_t{H} * K, max(cs.len, 1),
+                                                    [&](int t) { return sk[t]; });
+          load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)),
+                                                    a.v + (cs.start * HV + hv) * V,
+                                                    int64_t{HV} * V, max(cs.len, 1),
+                                                    [&](int t) { return sv[t]; });
+        }
+        fence_proxy_async();
+        producer_sync();  // A and the scaled k, v for the products
+        // w = A bf16(k diag(.)), u = A bf16(v diag(beta)): prep's products (4 k16 steps from
+        // zero), rounded to bf16, in place
+        wu_product(As, w_slabs(b), w_slabs(b), K);
+        wu_product(As, u_slabs(b), u_slabs(b), V);
+        producer_sync();  // every warp's part of w stored
+        {  // w's token rows to global (16-byte pieces)
+          using P = TilePieces<kChunk, K, kLoaders>;
+          const auto w_at = slab_at<kChunk>(w_slabs(b));
+          bf16* wg_out = a.w_out + (cs.start * HV + hv) * K;
+#pragma unroll
+          for (int j = 0; j < P::kPer; ++j) {
+            const int t = P::row0() + j * P::kRowStep, c8 = P::col();
+            if (t < cs.len)
+              *reinterpret_cast<uint4*>(wg_out + t * int64_t{HV} * K + c8) =
+                  *reinterpret_cast<const uint4*>(w_at(t, c8));
+          }
+        }
       } else {  // tapes: rows; k, w, u
         const RowVector vecs[2] = {{r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}};
         cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);

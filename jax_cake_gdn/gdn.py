@@ -69,8 +69,7 @@ def _backward(cfg: _Config, residuals, cts):
     if cfg.save_mode == "full":
         w, u, h, v_new, scores = res["w"], res["u"], res["h"], res["v_new"], res["scores"]
     else:  # light: replay w, u (bitwise as prep made them) and the state walk
-        w, u = P.wy(k, v, beta, G, A, rk, ct)
-        h, v_new, _ = P.state_walk(k, w, u, G, res["h0"], rk, ct)
+        w, u, h, v_new = P.replay(k, v, beta, G, A, res["h0"], rk, ct)
         scores = None
     dS_end, dh0 = P.walk_bwd(q, k, w, G, do, dfinal, scores, rq, rk, ct, scale=cfg.scale)
     dq, dk, dv, dg, dbeta = P.chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do,

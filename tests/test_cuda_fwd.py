@@ -1,5 +1,5 @@
-"""The cuda forward kernels: l2norm_rstd, prep, wy, solve_a, state_walk, output, walk_output
-(cuda/*.cu).
+"""The cuda forward kernels: l2norm_rstd, prep, wy, solve_a, state_walk, replay, output,
+walk_output (cuda/*.cu).
 
 CPU host: `gdn(..., backend="cuda")` lowers for the cuda platform to the forward custom calls with
 no while loop of its own (light: solve_a and the fused walk_output, never prep, state_walk or
@@ -9,7 +9,9 @@ wrappers reject bad inputs by name.
 GPU host: each cuda primitive against its xla twin on the same inputs (prep's A within 2e-3; the
 cuda state walk's h tape is bf16 and is compared after casting, the cuda output gets xla's h
 rounded to bf16), prep's w, u bitwise equal to the cuda wy on prep's A (the light backward's
-replay), solve_a's A bitwise equal to prep's, the fused walk_output (w, u made from A on chip)
+replay), the replay kernel (w, u made from A on chip) bitwise equal to state_walk on prep's
+w, u, the walks' values independent of their CTA order (seg_order), solve_a's A bitwise equal
+to prep's, the fused walk_output (w, u made from A on chip)
 against the separate cuda state_walk + output on prep's w, u (o and the final state within
 6e-3), and `gdn(backend="cuda")` against the float64 reference (relative RMS
 <= 1e-2), on uneven documents (1, 63, 64, 65, 1000 tokens, empty documents, unused chunk
@@ -142,6 +144,14 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
                                                   scale=scale, out_dtype=v.dtype)[0], owc)
         out["walk_output.o_f32"] = (owc32, ow)
         hp, vnp, finp = C.state_walk(k, wc, uc, G, h0, rk, ct)
+        # the replay (w, u made on chip from prep's A) vs the state walk on prep's w, u: keys
+        # "replay...~sep", bitwise equal expected (light == full in the backward depends on it)
+        wr, ur, hr, vnr = C.replay(k, v, beta, G, Ac, h0, rk, ct)
+        assert ur is None
+        finr = cuda.replay(k, v, beta, Ac, G, h0, rk, ct.start, ct.length, ct.seg_first,
+                           ct.seg_last, ct.seg_len, ct.seg_order)[3]
+        out["replay.w~sep"], out["replay.h~sep"] = (wr, wc), (hr, hp)
+        out["replay.v_new~sep"], out["replay.final~sep"] = (vnr, vnp), (finr, finp)
         osep, _ = C.output(q, k, G, hp, vnp, rq, rk, ct, scale=scale, out_dtype=v.dtype)
         owp, finwp = C.walk_output(q, k, v, beta, Ac, G, h0, rq, rk, ct, scale=scale,
                                    out_dtype=v.dtype)
@@ -255,8 +265,9 @@ def test_lower_bounds_check_in_place_for_cuda():
 
 
 def test_lower_light_gradient_for_cuda():
-    """The light VJP: solve_a and walk_output in the forward, wy and the state walk replayed in
-    the backward (it needs h), and neither prep nor a separate output kernel anywhere."""
+    """The light VJP: solve_a and walk_output in the forward, the state walk replayed in the
+    backward (it needs h) by the replay kernel, which makes w, u itself (no wy pass), and neither
+    prep nor a separate output kernel anywhere."""
     need_ext()
     args = _abstract_inputs()
 
@@ -267,8 +278,8 @@ def test_lower_light_gradient_for_cuda():
     # value_and_grad: with grad alone the forward's o is dead code (d sum(o) / do is 1)
     vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 6))
     targets = _targets(_lower_cuda(vg, *args))
-    assert {"solve_a", "walk_output", "wy", "state_walk", "walk_bwd"} <= targets, targets
-    assert not targets & {"prep", "output"}, targets
+    assert {"solve_a", "walk_output", "replay", "walk_bwd"} <= targets, targets
+    assert not targets & {"prep", "output", "wy", "state_walk"}, targets
 
 
 def test_supports_and_resolve(monkeypatch):
@@ -370,6 +381,16 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="K = 32"):
         cuda.solve_a(jnp.zeros((T, H, 32), jnp.bfloat16), f, f, None, cs, cs)
     h0 = jnp.zeros((3, HV, K, V))
+    replay = lambda kk=k, vv=v, A=A, h0=h0, so=s: cuda.replay(kk, vv, f, A, f, h0, None, cs, cs,
+                                                              s, s, s, so)
+    with pytest.raises(ValueError, match="v must have k's dtype"):
+        replay(vv=v.astype(jnp.float32))
+    with pytest.raises(ValueError, match="A must be bfloat16 .as the cuda prep / solve_a"):
+        replay(A=A.astype(jnp.float32))
+    with pytest.raises(ValueError, match="h0 must have shape"):
+        replay(h0=h0[:2])
+    with pytest.raises(ValueError, match="seg_order must have 3 entries"):
+        replay(so=s[:2])
     walk_output = lambda q=k, kk=k, vv=v, A=A, h0=h0, rq=None, dt=jnp.bfloat16: cuda.walk_output(
         q, kk, vv, f, A, f, h0, rq, None, cs, cs, s, s, s, s, scale=1.0, out_dtype=dt)
     with pytest.raises(ValueError, match="out_dtype"):
@@ -426,7 +447,8 @@ def test_gpu_primitives_match_xla(cfg):
     for key, e in errs.items():
         assert e <= TOL, (key, e)
     assert errs["A"] <= A_TOL, errs["A"]
-    for key in ("w~wy", "u~wy", "A~solve_a", "final~rev", "walk_output.o~rev"):
+    for key in ("w~wy", "u~wy", "A~solve_a", "final~rev", "walk_output.o~rev", "replay.w~sep",
+                "replay.h~sep", "replay.v_new~sep", "replay.final~sep"):
         assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
     # the fused walk + output from prep's A against the separate cuda kernels on prep's w, u:
     # the fused one makes w, u itself (bf16(A diag(.)) K, not bf16(A) bf16(K diag(.))), takes

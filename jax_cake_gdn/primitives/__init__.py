@@ -7,9 +7,10 @@ they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels tod
 Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output
 (o, scores); for the light forward, which keeps none of w, u, h, v_new: solve_a (prep's A alone)
 and walk_output (wy, state_walk and output in one, from A: o and exit states). Backward: wy (w, u
-from the saved A, the light mode's replay), walk_bwd (reverse state walk), chunk_bwd (all input
-gradients). nan_unless (o, or NaN everywhere when traced cu_seqlens are malformed; the cuda one
-works in place).
+from the saved A), replay (wy and state_walk in one: the light mode's replay; the cuda one makes
+w, u on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state walk),
+chunk_bwd (all input gradients). nan_unless (o, or NaN everywhere when traced cu_seqlens are
+malformed; the cuda one works in place).
 Signatures: see primitives/xla.py.
 
 The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
@@ -43,6 +44,7 @@ class Primitives(NamedTuple):
     wy: Callable
     solve_a: Callable
     state_walk: Callable
+    replay: Callable
     output: Callable
     walk_bwd: Callable
     chunk_bwd: Callable
@@ -51,12 +53,12 @@ class Primitives(NamedTuple):
 
 
 XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.wy, xla.solve_a,
-                 xla.state_walk, xla.output, xla.walk_bwd, xla.chunk_bwd, xla.walk_output,
-                 xla.nan_unless)
+                 xla.state_walk, xla.replay, xla.output, xla.walk_bwd, xla.chunk_bwd,
+                 xla.walk_output, xla.nan_unless)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
-CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "wy", "solve_a", "state_walk", "output",
-                "walk_output", "walk_bwd", "chunk_bwd", "nan_unless")
+CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "wy", "solve_a", "state_walk", "replay",
+                "output", "walk_output", "walk_bwd", "chunk_bwd", "nan_unless")
 BACKENDS = ("xla", "cuda")
 
 
@@ -72,6 +74,11 @@ def _cuda_primitives() -> Primitives:
         return cuda.walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct.start, ct.length,
                                 ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order,
                                 scale=scale, out_dtype=out_dtype)
+
+    def replay(k, v, beta, G, A, h0, rstd_k, ct):
+        h, v_new, w, _ = cuda.replay(k, v, beta, A, G, h0, rstd_k, ct.start, ct.length,
+                                     ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order)
+        return w, None, h, v_new  # u stays on chip: chunk_bwd does not read it (below)
 
     def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct, *, scale):
         return cuda.walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct.start, ct.length,
@@ -96,6 +103,7 @@ def _cuda_primitives() -> Primitives:
         state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(
             k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len,
             ct.seg_order),
+        replay=replay,
         output=output,
         walk_output=walk_output,
         walk_bwd=walk_bwd,

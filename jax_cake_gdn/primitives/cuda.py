@@ -36,6 +36,7 @@ __all__ = [
     "wy",
     "solve_a",
     "state_walk",
+    "replay",
     "output",
     "walk_output",
     "walk_bwd",
@@ -473,6 +474,47 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
                        k, w, u, G, h0, r, cs, cl, sf, sla, sl, so))
 
 
+def _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len, seg_first, seg_last, seg_len,
+                   seg_order):
+    """The checks of the walks that make w, u from A (walk_output, replay), k checked already:
+    (v, beta, A, G, h0, the chunk and segment tables)."""
+    T, H, K = k.shape
+    v, HV, V = _v_like(fn, v, k)
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    beta = _f32(fn, "beta", beta, (T, HV))
+    G = _f32(fn, "G", G, (T, HV))
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    A = _bf16(fn, "A", A, (cs.shape[0], HV, _CHUNK, _CHUNK), _A_FROM)
+    seg = _segments(fn, seg_first, seg_last, seg_len, seg_order)
+    h0 = _f32(fn, "h0", h0, (seg[0].shape[0], HV, K, V))
+    return v, beta, A, G, h0, (cs, cl) + seg
+
+
+def replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len,
+           seg_order):
+    """`state_walk` on `prep`'s w, u, made on chip from A (the light backward's replay): the
+    kernel rounds k diag(beta e^G rstd) and v diag(beta) to bf16 and multiplies them by A in the
+    order prep and wy do, so h, v_new, w and the exit states are bit for bit those of `wy` then
+    `state_walk` (u stays on chip).
+
+    k, v: bf16/f32 (same dtype; k [T, H, K], v [T, HV, V]); beta, G f32[T, HV]; A
+    bf16[NC, HV, 64, 64] as `solve_a` / `prep` return it; h0, rstd_k and the tables as
+    `state_walk`. Returns h bf16[NC, HV, K, V], v_new bf16[T, HV, V], w bf16[T, HV, K] and the
+    exit states f32[S, HV, K, V].
+    """
+    fn = "replay"
+    k = _qkv(fn, "k", k)
+    T, H, K = k.shape
+    v, beta, A, G, h0, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len,
+                                            seg_first, seg_last, seg_len, seg_order)
+    NC, HV, S, V = A.shape[0], A.shape[1], h0.shape[0], v.shape[2]
+    r = _rstd(fn, "rstd_k", rstd_k, T, H)
+    return tuple(_call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
+                            ((T, HV, K), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
+                       k, v, beta, A, G, h0, r, *tab))
+
+
 def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
            out_dtype, with_scores: bool = False):
     """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att bf16[NC, HV, 64, 64] if asked
@@ -517,23 +559,14 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
     fn = "walk_output"
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    v, HV, V = _v_like(fn, v, k)
-    _check_dims(fn, K=K, V=V)
-    _heads(fn, H, HV)
-    beta = _f32(fn, "beta", beta, (T, HV))
-    G = _f32(fn, "G", G, (T, HV))
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    NC = cs.shape[0]
-    A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
-    sf, sla, sl, so = _segments(fn, seg_first, seg_last, seg_len, seg_order)
-    S = sl.shape[0]
-    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
+    v, beta, A, G, h0, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len,
+                                            seg_first, seg_last, seg_len, seg_order)
+    HV, S, V = A.shape[1], h0.shape[0], v.shape[2]
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
     o, final = _call(fn, [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)],
-                     q, k, v, beta, A, G, h0, rq, rk, cs, cl, sf, sla, sl, so,
-                     scale=np.float32(scale))
+                     q, k, v, beta, A, G, h0, rq, rk, *tab, scale=np.float32(scale))
     return o, final
 
 

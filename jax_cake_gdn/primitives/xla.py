@@ -192,6 +192,17 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, ct: ChunkTable, *, scale: float, o
     return o, (att if with_scores else None)
 
 
+def replay(k, v, beta, G, A, h0, rstd_k, ct: ChunkTable):
+    """wy, then state_walk on its w, u: the light backward's replay from the saved A.
+
+    Returns w [T, HV, K], u [T, HV, V] (as wy), h [NC, HV, K, V] and v_new [T, HV, V] (as
+    state_walk).
+    """
+    w, u = wy(k, v, beta, G, A, rstd_k, ct)
+    h, v_new, _ = state_walk(k, w, u, G, h0, rstd_k, ct)
+    return w, u, h, v_new
+
+
 def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scale: float,
                 out_dtype):
     """wy, state_walk then output from A (as solve_a returns it), for the light forward (which
