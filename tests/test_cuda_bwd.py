@@ -529,7 +529,7 @@ _POISON_CHECK = textwrap.dedent("""
         q, q, jnp.zeros((T, HV, K), jnp.bfloat16), jnp.zeros((T, HV)),
         jnp.ones((T, HV, V), jnp.bfloat16),
         jnp.ones((1, HV, K, V)), None, None, None, i32(0, 64, 128), i32(64, 64, 0), i32(0),
-        i32(0), i32(64), scale=0.1)
+        i32(0), i32(64), i32(0), scale=0.1)
     assert dS.dtype == jnp.bfloat16  # poison (0xFF bytes) is a NaN in bf16 too
     dS, dh0 = np.asarray(dS, np.float32), np.asarray(dh0)
     assert np.isfinite(dS[0]).all() and np.isfinite(dh0).all()
