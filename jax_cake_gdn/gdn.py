@@ -186,8 +186,9 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         `saved_layout`). Both give bitwise-equal gradients. On the cuda backend the
         light forward makes A alone (solve_a) and runs w, u, the walk and the output as one
         kernel (walk_output; none of w, u, h reaches HBM; its o agrees with full's to bf16
-        rounding, not bit for bit) and is the faster forward; full skips the replay and is the
-        faster fwd+bwd (B23 on an H200, 2026-12-01: fwd 1.37 vs 2.66 ms, fwd+bwd 7.79 vs 7.65 ms).
+        rounding, not bit for bit) and is the faster forward; its backward replays w, u and
+        the walk in one kernel, so both modes' fwd+bwd cost about the same (B23 on an H200,
+        2026-12-01: fwd 1.49 vs 2.72 ms, fwd+bwd 7.66 vs 7.65 ms).
       deterministic: ask for bitwise-reproducible gradients. Every primitive of both backends is
         deterministic today (fixed reduction order; the CUDA kernels use no atomics), so both
         values behave the same: repeated runs with the same shapes on the same device give
