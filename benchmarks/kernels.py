@@ -154,12 +154,11 @@ def primitive_calls(wl, backend: str, lib=None):
         ("fwd full: prep", jax.jit(P.prep), (k, v, beta, G, rk, ct)),
         ("fwd full: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
         ("fwd full: output", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
-        ("wy: w, u from A (no gdn path)", jax.jit(P.wy), (k, v, beta, G, A, rk, ct)),
         ("bwd: walk_bwd", jax.jit(wbwd), (q, k, w, G, do, dfinal, rq, rk, ct)),
         ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk,
                                            ct)),
     ]
-    if hasattr(P, "replay"):  # the light backward's replay in one kernel (wy + state walk before)
+    if hasattr(P, "replay"):  # the light backward's replay (baselines before it lack it)
         calls.append(("bwd light: replay", jax.jit(P.replay), (k, v, beta, G, A, h0, rk, ct)))
     return calls
 

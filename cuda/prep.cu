@@ -3,11 +3,10 @@
 //   jax_cake_gdn_prep(k, v, beta, G, rstd_k, chunk_start, chunk_len) -> A bf16[NC, HV, 64, 64],
 //                                                                       w bf16[T, HV, K],
 //                                                                       u bf16[T, HV, V]
-//   jax_cake_gdn_wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len) -> w, u (from a given A)
 //   jax_cake_gdn_solve_a(k, beta, G, rstd_k, chunk_start, chunk_len) -> A (prep's, bit for bit)
 //
-// A, w and u are rounded to bf16 (nearest) when written: A and w are what every reader (wy,
-// chunk_bwd; the walks) uses as mma operands; u starts the walks' f32 product-1 accumulator
+// A, w and u are rounded to bf16 (nearest) when written: A and w are what every reader
+// (chunk_bwd, the walks) uses as mma operands; u starts the walks' f32 product-1 accumulator
 // (emulated on the xla path, its rounding takes o's relative RMS against f64 from 1.7e-3 to
 // 2.4e-3 at T = 4096, heads (2, 6); FLA keeps u in bf16 too). prep computes A in f32 (shared
 // memory) and uses the same bf16 values for its own w and u.
@@ -20,9 +19,9 @@
 namespace jax_cake_gdn {
 namespace {
 
-// k, v, beta, G, rstd_k and the chunk table of the prep, wy and solve_a handlers; sets T, H, K,
+// k, v, beta, G, rstd_k and the chunk table of the prep and solve_a handlers; sets T, H, K,
 // HV, V, NC. v == nullptr (solve_a): HV from beta, V = 0.
-std::string check_wy_inputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer* v,
+std::string check_prep_inputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer* v,
                             const ffi::Buffer<ffi::F32>& beta, const ffi::Buffer<ffi::F32>& G,
                             const ffi::Buffer<ffi::F32>& rstd_k,
                             const ffi::Buffer<ffi::S32>& chunk_start,
@@ -98,7 +97,7 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::ResultBuffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> u) {
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
-  JCG_CHECK_MSG(check_wy_inputs(k, &v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV,
+  JCG_CHECK_MSG(check_prep_inputs(k, &v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV,
                                 V, NC, has_rstd));
   JCG_CHECK_ARG(dims_are(A->dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A->dimensions()));
@@ -115,46 +114,6 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
 }
 
 #undef JCG_HANDLER_NAME
-#define JCG_HANDLER_NAME "jax_cake_gdn_wy"
-
-ffi::Error wy_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                   ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::BF16> A,
-                   ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
-                   ffi::Buffer<ffi::S32> chunk_len, ffi::ResultBuffer<ffi::BF16> w,
-                   ffi::ResultBuffer<ffi::BF16> u) {
-  int64_t T, H, K, HV, V, NC;
-  bool has_rstd = false;
-  JCG_CHECK_MSG(check_wy_inputs(k, &v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV,
-                                V, NC, has_rstd));
-  JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
-                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
-  JCG_CHECK_MSG(check_wu(w->dimensions(), u->dimensions(), T, HV, K, V));
-
-  JCG_CHECK_CUDA(poison(stream, *w));
-  JCG_CHECK_CUDA(poison(stream, *u));
-  if (NC == 0 || HV == 0 || T == 0) return ffi::Error::Success();
-  cudaError_t err = cudaSuccess;
-  dispatch_float_type(k.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
-    dispatch_head_dim(K, [&](auto kdim) {
-      constexpr int KD = decltype(kdim)::value;
-      err = launch(wy_kernel<In, KD>, dim3(static_cast<unsigned>(NC * HV)),
-                   kPrepThreads, WySmem::bytes, stream,
-                   static_cast<const In*>(k.untyped_data()),
-                   static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
-                   static_cast<const bf16*>(A.untyped_data()),
-                   has_rstd ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                   chunk_start.typed_data(), chunk_len.typed_data(),
-                   static_cast<bf16*>(w->untyped_data()),
-                   static_cast<bf16*>(u->untyped_data()), T, static_cast<int>(H),
-                   static_cast<int>(HV), static_cast<int>(V));
-    });
-  });
-  JCG_CHECK_CUDA(err);
-  return ffi::Error::Success();
-}
-
-#undef JCG_HANDLER_NAME
 #define JCG_HANDLER_NAME "jax_cake_gdn_solve_a"
 
 ffi::Error solve_a_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::F32> beta,
@@ -163,7 +122,7 @@ ffi::Error solve_a_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::
                         ffi::ResultBuffer<ffi::BF16> A) {
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
-  JCG_CHECK_MSG(check_wy_inputs(k, nullptr, beta, G, rstd_k, chunk_start, chunk_len, T, H, K,
+  JCG_CHECK_MSG(check_prep_inputs(k, nullptr, beta, G, rstd_k, chunk_start, chunk_len, T, H, K,
                                 HV, V, NC, has_rstd));
   JCG_CHECK_ARG(dims_are(A->dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A->dimensions()));
@@ -191,21 +150,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_prep, jax_cake_gdn::prep_impl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // u
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_wy, jax_cake_gdn::wy_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // k
-                                  .Arg<xla::ffi::AnyBuffer>()              // v
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // w
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // u
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -3,7 +3,6 @@
 //
 //   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A bf16[NC, HV, 64, 64]
 //          w = A diag(beta e^G) K -> bf16[T, HV, K],  u = A diag(beta) V -> bf16[T, HV, V]
-//   wy:    w and u from a given A (the light backward's replay reads the saved A)
 //   solve_a: A only (prep_kernel with kWU = false; the light forward's walk makes w, u itself)
 //
 // k (normalised by rstd_k when given) and v are rounded to bf16 in shared memory; K K^T, A Kb and
@@ -12,8 +11,8 @@
 // and are scaled in place (v only after the diagonal solve, so its load hides behind K K^T).
 // prep runs 4 CTAs/SM (<= 128 registers, 52.5 KB shared each); solve_a at K = 128 runs 6
 // (<= 80 registers, 35.5 KB), latency-bound as it is (prep_min_ctas).
-// prep and wy build w and u with the same code from the same bf16 values (wy_load_tiles,
-// wy_store), so prep's w, u equal wy's on prep's A bit for bit (light == full in the backward).
+// The light backward's replay (walk_fwd_wg.cuh, kReplay) makes w and u from the saved A with
+// prep's roundings and product order, so its w, u equal prep's bit for bit (light == full).
 //
 // The 64x64 unit-lower inverse (prep): warp b solves its diagonal 16x16 block by forward
 // substitution (one lane per column), then the off-diagonal blocks go by distance d = 1, 2, 3:
@@ -31,43 +30,12 @@ namespace jax_cake_gdn {
 
 constexpr int kPrepThreads = 128;
 
-// ---------------------------------------------------------------- w, u (shared by wy and prep)
+// ---------------------------------------------------------------- w, u
 
 constexpr int kWyXP = 128 + 8;  // bf16 pitch of the k / v tiles of w and u (D <= 128)
 
-struct WySmem {
-  static constexpr int AP = kChunk + 8;  // bf16 pitch of A
-  static constexpr size_t kA = size_t{kChunk} * AP * sizeof(bf16);
-  static constexpr size_t kX = size_t{kChunk} * kWyXP * sizeof(bf16);
-  static constexpr size_t bytes = kA + 2 * kX;
-};
-
-// Ks = k diag(beta e^G rstd), Vs = v diag(beta) as bf16 tiles (pitch kWyXP). cs.len >= 1.
-template <typename In, int K>
-__device__ __forceinline__ void wy_load_tiles(bf16* Ks, bf16* Vs, const In* __restrict__ k,
-                                              const In* __restrict__ v,
-                                              const float* __restrict__ beta,
-                                              const float* __restrict__ G,
-                                              const float* __restrict__ rstd, ChunkSpan cs,
-                                              int hv, int hk, int H, int HV, int V) {
-  constexpr int XP = kWyXP;
-  const float* bt = beta + cs.start * HV + hv;
-  const float* gt = G + cs.start * HV + hv;
-  {
-    const ScaleRstd rs{rstd, cs.start, H, hk};
-    load_tile_bf16<kChunk, K, 8, kPrepThreads>(
-        Ks, XP, k + hk * K + cs.start * H * K, int64_t{H} * K, cs.len, [&](int t) {
-          return __ldg(bt + t * HV) * exp_ftz(__ldg(gt + t * HV)) * rs(t);
-        });
-  }
-  const auto sv = [&](int t) { return __ldg(bt + t * HV); };
-  const In* vsrc = v + int64_t{hv} * V + cs.start * HV * V;
-  if (V == 64) {
-    load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, XP, vsrc, int64_t{HV} * V, cs.len, sv);
-  } else {
-    load_tile_bf16<kChunk, 128, 8, kPrepThreads>(Vs, XP, vsrc, int64_t{HV} * V, cs.len, sv);
-  }
-}
+// bytes of one k or v tile of w and u (pitch kWyXP)
+constexpr size_t kWyTile = size_t{kChunk} * kWyXP * sizeof(bf16);
 
 // acc = A (this warp's 16 rows) x X[:, 64p : 64p + 64]; rows < len go to out (Out: f32, or bf16
 // rounded to nearest; token-major).
@@ -100,40 +68,6 @@ __device__ __forceinline__ void wy_store(const uint32_t (&a)[4][4], const bf16* 
   constexpr int XP = kWyXP;
   wy_panels(a, Ks, XP, K, w + int64_t{hv} * K, cs.start, int64_t{HV} * K, cs.len);
   wy_panels(a, Vs, XP, V, u + int64_t{hv} * V, cs.start, int64_t{HV} * V, cs.len);
-}
-
-template <typename In, int K>
-__global__ void __launch_bounds__(kPrepThreads)
-    wy_kernel(const In* __restrict__ k, const In* __restrict__ v, const float* __restrict__ beta,
-              const float* __restrict__ G, const bf16* __restrict__ A,
-              const float* __restrict__ rstd,  // nullable
-              const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-              bf16* __restrict__ w, bf16* __restrict__ u, int64_t num_tokens, int H, int HV,
-              int V) {
-  using Sm = WySmem;
-  constexpr int AP = Sm::AP;
-  extern __shared__ __align__(16) unsigned char smem[];
-  bf16* As = reinterpret_cast<bf16*>(smem);
-  bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::kA);
-  bf16* Vs = reinterpret_cast<bf16*>(smem + Sm::kA + Sm::kX);
-
-  const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
-  const int hk = hv / (HV / H);
-  const int warp = threadIdx.x >> 5;
-  const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-  if (cs.len == 0) return;  // no token rows to write
-
-  // A (bf16) into its tile by cp.async, in flight while k, v become scaled bf16 tiles
-  cp_async_tile<kChunk, kChunk, kPrepThreads>(
-      As, AP, A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
-  cp_async_commit();
-  wy_load_tiles<In, K>(Ks, Vs, k, v, beta, G, rstd, cs, hv, hk, H, HV, V);
-  cp_async_wait_all();
-  __syncthreads();
-  uint32_t a[4][4];
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) lda_rm(a[ks], As + (16 * warp) * AP + 16 * ks, AP);
-  wy_store(a, Ks, Vs, w, u, cs, hv, HV, K, V);
 }
 
 // ---------------------------------------------------------------- prep: A, then w and u
@@ -203,7 +137,7 @@ struct PrepSmem {
   static constexpr size_t kKr = size_t{kChunk} * KP * sizeof(bf16);
   static constexpr size_t kAf = size_t{kChunk} * AP * sizeof(float);
   static constexpr size_t kA = kKr > kAf ? kKr : kAf;  // the k tile, then A (after K K^T)
-  static constexpr size_t kX = WySmem::kX;
+  static constexpr size_t kX = kWyTile;
   static constexpr size_t bytes = kA + (kWU ? 2 : 1) * kX + 2 * kChunk * sizeof(float);
   // 4 CTAs/SM (solve_a at K = 128: 6): 228 KB per SM, 1 KB reserved per CTA
   static_assert(prep_min_ctas<K, kWU>() * (bytes + 1024) <= 228 * 1024,
@@ -241,8 +175,8 @@ __device__ __forceinline__ void prep_write_a(bf16* __restrict__ out, const float
 
 // prep's k tile, loaded once for both of its bf16 copies: Kr = k diag(rstd) (pitch kp, for
 // K K^T) and Ks = k diag(beta e^G rstd) (pitch kWyXP, for w). The scales and roundings are
-// wy_load_tiles' and load_tile_bf16's (bf16(float(x) * s), s = (beta * e^G) * rstd), so Ks equals
-// wy's Ks bit for bit.
+// load_tile_bf16's (bf16(float(x) * s), s = (beta * e^G) * rstd), the ones the light backward's
+// replay applies too.
 //
 // bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (cp_async_tile: rows
 // t >= len zero-filled) and the thread that copied a 16-byte chunk later rescales that same chunk
@@ -252,7 +186,7 @@ __device__ __forceinline__ void prep_write_a(bf16* __restrict__ out, const float
 // shared stores).
 
 // Per-row k scales of this thread's k chunks (TilePieces rows, clamped): rs = rstd,
-// ks = beta e^G rstd (kWU only), evaluated as in wy_load_tiles.
+// ks = beta e^G rstd (kWU only), evaluated as (beta * e^G) * rstd.
 template <int K, bool kWU>
 struct PrepKScales {
   using P = TilePieces<kChunk, K, kPrepThreads>;
@@ -498,7 +432,7 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
   if constexpr (!kWU) {
     prep_write_a(Aout, As, AP);
   } else {
-    // A out (bf16), and as bf16 A fragments (the values wy reads back) for w and u.
+    // A out (bf16), and as bf16 A fragments (the values the replay reads back) for w and u.
     uint32_t a[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {

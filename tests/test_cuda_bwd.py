@@ -319,7 +319,7 @@ def test_bad_inputs_raise_value_error():
         (dict(do=do[:, :5]), "multiple of H"),
         (dict(do=do[:50]), "do must be"),
         (dict(w=w[..., :64]), "w must have shape"),
-        (dict(w=w.astype(jnp.float32)), "w must be bfloat16 (as the cuda prep / wy return it)"),
+        (dict(w=w.astype(jnp.float32)), "w must be bfloat16 (as the cuda prep / replay return it)"),
         (dict(G=G[:, :2]), "G must have shape"),
         (dict(dfinal=df[:2]), "dfinal must have shape"),
         (dict(scores=jnp.zeros((NC, HV, 64, 32), jnp.bfloat16)), "scores must have shape"),

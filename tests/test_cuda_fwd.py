@@ -1,4 +1,4 @@
-"""The cuda forward kernels: l2norm_rstd, prep, wy, solve_a, state_walk, replay, output,
+"""The cuda forward kernels: l2norm_rstd, prep, solve_a, state_walk, replay, output,
 walk_output (cuda/*.cu).
 
 CPU host: `gdn(..., backend="cuda")` lowers for the cuda platform to the forward custom calls with
@@ -8,9 +8,8 @@ head dims raise ValueError naming K or V (backend="cuda") or fall back to xla (b
 wrappers reject bad inputs by name.
 GPU host: each cuda primitive against its xla twin on the same inputs (prep's A within 2e-3; the
 cuda state walk's h tape is bf16 and is compared after casting, the cuda output gets xla's h
-rounded to bf16), prep's w, u bitwise equal to the cuda wy on prep's A (the light backward's
-replay), the replay kernel (w, u made from A on chip) bitwise equal to state_walk on prep's
-w, u, the walks' values independent of their CTA order (seg_order), solve_a's A bitwise equal
+rounded to bf16), the replay kernel (w, u made from A on chip, the light backward's) bitwise
+equal to state_walk on prep's w, u (w too: prep's w, u are what the replay makes), the walks' values independent of their CTA order (seg_order), solve_a's A bitwise equal
 to prep's, the fused walk_output (w, u made from A on chip)
 against the separate cuda state_walk + output on prep's w, u (o and the final state within
 6e-3), and `gdn(backend="cuda")` against the float64 reference (relative RMS
@@ -38,12 +37,11 @@ from jax_cake_gdn.chunks import chunk_table
 from jax_cake_gdn.primitives import cuda
 
 # the forward's custom calls by save mode: light makes A alone (solve_a) and fuses w, u, the walk
-# and the output (no w, u, h, v_new in HBM); full: prep makes A, w and u in one kernel (wy runs
-# only in the light backward's replay)
+# and the output (no w, u, h, v_new in HBM); full: prep makes A, w and u in one kernel
 FWD_TARGETS = {"light": ("gate_cumsum", "l2norm_rstd", "solve_a", "walk_output"),
                "full": ("gate_cumsum", "l2norm_rstd", "prep", "state_walk", "output")}
-FWD_UNWANTED = {"light": {"prep", "wy", "state_walk", "output"},
-                "full": {"solve_a", "wy", "walk_output"}}
+FWD_UNWANTED = {"light": {"prep", "replay", "state_walk", "output"},
+                "full": {"solve_a", "replay", "walk_output"}}
 # documents: a length-1 one, an empty one, 63, 64, 65, another empty one, 1000 (T = 1193)
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)
 # a long document (192 chunks, as B23's longest) between short ones and an empty one (T = 13354)
@@ -112,13 +110,6 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         A, w, u = X.prep(k, v, beta, G, rk, ct)
         Ac, wc, uc = C.prep(k, v, beta, G, rk, ct)
         out["A"], out["w"], out["u"] = (Ac, A), (wc, w), (uc, u)
-        # wy (the light backward's replay) vs xla on xla's A (in bf16, as the cuda wy takes it),
-        # and on prep's A vs prep's own w, u (keys "...~wy": bitwise equal expected, light == full
-        # depends on it)
-        wyc, uyc = C.wy(k, v, beta, G, A.astype(jnp.bfloat16), rk, ct)
-        out["wy.w"], out["wy.u"] = (wyc, w), (uyc, u)
-        wyp, uyp = C.wy(k, v, beta, G, Ac, rk, ct)
-        out["w~wy"], out["u~wy"] = (wc, wyp), (uc, uyp)
         # the cuda kernels take w, u, h and v_new in bf16 (as the cuda kernels return them)
         wb, ub = w.astype(jnp.bfloat16), u.astype(jnp.bfloat16)
         h, vn, fin = X.state_walk(k, w, u, G, h0, rk, ct)
@@ -279,7 +270,7 @@ def test_lower_light_gradient_for_cuda():
     vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 6))
     targets = _targets(_lower_cuda(vg, *args))
     assert {"solve_a", "walk_output", "replay", "walk_bwd"} <= targets, targets
-    assert not targets & {"prep", "output", "wy", "state_walk"}, targets
+    assert not targets & {"prep", "output", "state_walk"}, targets
 
 
 def test_supports_and_resolve(monkeypatch):
@@ -310,7 +301,7 @@ def test_unsupported_dims_raise_or_fall_back(monkeypatch):
     monkeypatch.setattr(primitives, "cuda_ready", lambda: True)
     hlo = _lower_cuda(_fwd(None), *args)
     targets = _targets(hlo)
-    assert not targets & {"prep", "wy", "solve_a", "state_walk", "output", "walk_output"}, targets
+    assert not targets & {"prep", "solve_a", "state_walk", "output", "walk_output"}, targets
     hlo = _lower_cuda(_fwd(None), *_abstract_inputs(K=64, V=64))
     assert set(FWD_TARGETS["light"]) <= _targets(hlo)
 
@@ -339,13 +330,6 @@ def test_bad_inputs_raise_value_error():
         cuda.prep(k, v.astype(jnp.float32), f, f, None, cs, cs)
     with pytest.raises(ValueError, match="V = 96"):
         cuda.prep(k, jnp.zeros((T, HV, 96), jnp.bfloat16), f, f, None, cs, cs)
-    with pytest.raises(ValueError, match="v must have k's dtype"):
-        cuda.wy(k, v.astype(jnp.float32), f, f, jnp.zeros((NC, HV, 64, 64)), None, cs, cs)
-    with pytest.raises(ValueError, match="A must be bfloat16 .as the cuda prep / solve_a"):
-        cuda.wy(k, v, f, f, jnp.zeros((NC, HV, 64, 64), jnp.float32), None, cs, cs)
-    with pytest.raises(ValueError, match="V = 96"):
-        cuda.wy(k, jnp.zeros((T, HV, 96), jnp.bfloat16), f, f, jnp.zeros((NC, HV, 64, 64)),
-                None, cs, cs)
     w = jnp.zeros((T, HV, K), jnp.bfloat16)
     u = jnp.zeros((T, HV, V), jnp.bfloat16)
     s = jnp.zeros((3,), jnp.int32)
@@ -447,7 +431,7 @@ def test_gpu_primitives_match_xla(cfg):
     for key, e in errs.items():
         assert e <= TOL, (key, e)
     assert errs["A"] <= A_TOL, errs["A"]
-    for key in ("w~wy", "u~wy", "A~solve_a", "final~rev", "walk_output.o~rev", "replay.w~sep",
+    for key in ("A~solve_a", "final~rev", "walk_output.o~rev", "replay.w~sep",
                 "replay.h~sep", "replay.v_new~sep", "replay.final~sep"):
         assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
     # the fused walk + output from prep's A against the separate cuda kernels on prep's w, u:
@@ -506,13 +490,8 @@ _POISON_CHECK = textwrap.dedent("""
     T = 200
     k = jnp.ones((T, 1, 64), jnp.bfloat16)
     f = jnp.zeros((T, 2), jnp.float32)
-    w, u = jax.jit(cuda.wy)(k, jnp.ones((T, 2, 64), jnp.bfloat16), f, f,
-                           jnp.broadcast_to(jnp.eye(64, dtype=jnp.bfloat16), (2, 2, 64, 64)),
-                           None, jnp.asarray([0, 128], jnp.int32), jnp.asarray([64, 64], jnp.int32))
-    u = np.asarray(u)
-    assert np.isnan(u[64:128]).all() and np.isfinite(u[:64]).all() and np.isfinite(u[128:192]).all()
-    # the same table through prep (plus an unused chunk slot: A = I there, no token rows);
-    # k.k = 1 and beta = 0.5 keep A bounded
+    # tokens 64..127 and 192.. are in no chunk of the table (which has an unused slot too: A = I
+    # there, no token rows); k.k = 1 and beta = 0.5 keep A bounded
     A, w, u = jax.jit(cuda.prep)(k * 0.125, jnp.ones((T, 2, 64), jnp.bfloat16), f + 0.5, f, None,
                                  jnp.asarray([0, 128, T], jnp.int32),
                                  jnp.asarray([64, 64, 0], jnp.int32))

@@ -6,15 +6,15 @@ they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels tod
 
 Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output
 (o, scores); for the light forward, which keeps none of w, u, h, v_new: solve_a (prep's A alone)
-and walk_output (wy, state_walk and output in one, from A: o and exit states). Backward: wy (w, u
-from the saved A), replay (wy and state_walk in one: the light mode's replay; the cuda one makes
-w, u on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state walk),
+and walk_output (w, u from A, state_walk and output in one: o and exit states). Backward: replay
+(w, u from the saved A and state_walk in one: the light mode's replay; the cuda one makes w, u
+on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state walk),
 chunk_bwd (all input gradients). nan_unless (o, or NaN everywhere when traced cu_seqlens are
 malformed; the cuda one works in place).
 Signatures: see primitives/xla.py.
 
 The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
-A, w and u (wy: w, u; solve_a: A), its state_walk returns h and v_new, its output the scores and
+A, w and u (solve_a: A), its state_walk returns h and v_new, its output the scores and
 its walk_bwd returns dS_end as bf16 (rounded to nearest from f32: the values the kernels that
 read them use as operands; u starts the walks' f32 v_new accumulator), and those kernels accept
 only bf16 there; the xla set keeps them float32. Primitives of the two sets do not mix at these
@@ -41,7 +41,6 @@ class Primitives(NamedTuple):
     gate_cumsum: Callable
     l2norm_rstd: Callable
     prep: Callable
-    wy: Callable
     solve_a: Callable
     state_walk: Callable
     replay: Callable
@@ -52,12 +51,12 @@ class Primitives(NamedTuple):
     nan_unless: Callable
 
 
-XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.wy, xla.solve_a,
+XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.solve_a,
                  xla.state_walk, xla.replay, xla.output, xla.walk_bwd, xla.chunk_bwd,
                  xla.walk_output, xla.nan_unless)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
-CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "wy", "solve_a", "state_walk", "replay",
+CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "solve_a", "state_walk", "replay",
                 "output", "walk_output", "walk_bwd", "chunk_bwd", "nan_unless")
 BACKENDS = ("xla", "cuda")
 
@@ -96,8 +95,6 @@ def _cuda_primitives() -> Primitives:
         l2norm_rstd=cuda.l2norm_rstd,
         prep=lambda k, v, beta, G, rstd_k, ct: cuda.prep(k, v, beta, G, rstd_k, ct.start,
                                                          ct.length),
-        wy=lambda k, v, beta, G, A, rstd_k, ct: cuda.wy(k, v, beta, G, A, rstd_k, ct.start,
-                                                        ct.length),
         solve_a=lambda k, beta, G, rstd_k, ct: cuda.solve_a(k, beta, G, rstd_k, ct.start,
                                                             ct.length),
         state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(

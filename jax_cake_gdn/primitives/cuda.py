@@ -33,7 +33,6 @@ __all__ = [
     "l2norm_rstd",
     "l2norm_bwd",
     "prep",
-    "wy",
     "solve_a",
     "state_walk",
     "replay",
@@ -227,7 +226,7 @@ _QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 # shard_map (jax 0.11.2).
 _ABSENT = np.zeros((1,), np.float32)
 _A_FROM = "as the cuda prep / solve_a return it"
-_W_FROM = "as the cuda prep / wy return it"
+_W_FROM = "as the cuda prep / replay return it"
 _VNEW_FROM = "as the cuda state_walk returns it"
 
 
@@ -367,8 +366,8 @@ def _v_like(fn, v, k):
     return v, v.shape[1], v.shape[2]
 
 
-def _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
-    """Checks shared by prep and wy: (k, v, beta, G, rstd_k or its placeholder, cs, cl)."""
+def _prep_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
+    """prep's checks: (k, v, beta, G, rstd_k or its placeholder, cs, cl)."""
     k = _qkv(fn, "k", k)
     T, H, K = k.shape
     v, HV, V = _v_like(fn, v, k)
@@ -383,33 +382,19 @@ def _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
 
 def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
     """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1 bf16[NC, HV, 64, 64] (computed in f32,
-    rounded to nearest: wy and chunk_bwd use it only as a bf16 operand), then
+    rounded to nearest: the walks and chunk_bwd use it only as a bf16 operand), then
     w = A diag(beta e^G) K bf16[T, HV, K] (likewise rounded: the walks' operand) and
     u = A diag(beta) V bf16[T, HV, V] (rounded: the walks start their f32 v_new accumulator
-    from it), in one kernel. w and u are bitwise what `wy` gives on this A (the light backward's
-    replay)."""
+    from it), in one kernel. w and u are bitwise what `replay` makes from this A (the light
+    backward)."""
     fn = "prep"
-    k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
+    k, v, beta, G, r, cs, cl = _prep_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
     T, _, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
     A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((T, HV, K), jnp.bfloat16),
                          ((T, HV, V), jnp.bfloat16)], k, v, beta, G, r, cs, cl)
     return A, w, u
-
-
-def wy(k, v, beta, G, A, rstd_k, chunk_start, chunk_len):
-    """w = A diag(beta e^G) K bf16[T, HV, K] and u = A diag(beta) V bf16[T, HV, V] (as `prep`),
-    from A bf16[NC, HV, 64, 64] as `prep` returns it."""
-    fn = "wy"
-    k, v, beta, G, r, cs, cl = _wy_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
-    T, _, K = k.shape
-    HV, V = v.shape[1], v.shape[2]
-    NC = cs.shape[0]
-    A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
-    w, u = _call(fn, [((T, HV, K), jnp.bfloat16), ((T, HV, V), jnp.bfloat16)],
-                 k, v, beta, G, A, r, cs, cl)
-    return w, u
 
 
 def solve_a(k, beta, G, rstd_k, chunk_start, chunk_len):
@@ -495,8 +480,8 @@ def replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_
            seg_order):
     """`state_walk` on `prep`'s w, u, made on chip from A (the light backward's replay): the
     kernel rounds k diag(beta e^G rstd) and v diag(beta) to bf16 and multiplies them by A in the
-    order prep and wy do, so h, v_new, w and the exit states are bit for bit those of `wy` then
-    `state_walk` (u stays on chip).
+    order prep does, so h, v_new, w and the exit states are bit for bit those of `state_walk` on
+    prep's w, u (u stays on chip).
 
     k, v: bf16/f32 (same dtype; k [T, H, K], v [T, HV, V]); beta, G f32[T, HV]; A
     bf16[NC, HV, 64, 64] as `solve_a` / `prep` return it; h0, rstd_k and the tables as
@@ -545,7 +530,7 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
 
 def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
                 seg_last, seg_len, seg_order, *, scale: float, out_dtype):
-    """wy, state_walk and output in one kernel (the light forward): w, u, h and v_new never
+    """w, u from A, state_walk and output in one kernel (the light forward): w, u, h and v_new never
     leave the chip.
 
     q, k, v: bf16/f32 (same dtype; q, k [T, H, K], v [T, HV, V]); beta f32[T, HV]; A
@@ -571,7 +556,8 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
 
 
 # ------------------------------------------------------------------------------------------------
-# Backward kernels (cuda/walk_bwd.cu, chunk_bwd.cu). Interfaces follow primitives/xla.py's backward primitives.
+# Backward kernels (cuda/walk_bwd.cu, chunk_bwd.cu). Interfaces follow primitives/xla.py's
+# backward primitives.
 # ------------------------------------------------------------------------------------------------
 
 
