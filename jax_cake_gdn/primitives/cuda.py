@@ -366,16 +366,21 @@ def _v_like(fn, v, k):
     return v, v.shape[1], v.shape[2]
 
 
-def _prep_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
-    """prep's checks: (k, v, beta, G, rstd_k or its placeholder, cs, cl)."""
-    k = _qkv(fn, "k", k)
+def _v_beta_g(fn, k, v, beta, G):
+    """Checks of v (k's dtype, supported dims, GVA heads), beta and G f32[T, HV] against a
+    checked k: (v, beta, G)."""
     T, H, K = k.shape
     v, HV, V = _v_like(fn, v, k)
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
-    beta = _f32(fn, "beta", beta, (T, HV))
-    G = _f32(fn, "G", G, (T, HV))
-    r = _rstd(fn, "rstd_k", rstd_k, T, H)
+    return v, _f32(fn, "beta", beta, (T, HV)), _f32(fn, "G", G, (T, HV))
+
+
+def _prep_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
+    """prep's checks: (k, v, beta, G, rstd_k or its placeholder, cs, cl)."""
+    k = _qkv(fn, "k", k)
+    v, beta, G = _v_beta_g(fn, k, v, beta, G)
+    r = _rstd(fn, "rstd_k", rstd_k, k.shape[0], k.shape[1])
     cs, cl = _table(fn, chunk_start, chunk_len)
     return k, v, beta, G, r, cs, cl
 
@@ -463,12 +468,8 @@ def _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len, seg_first, 
                    seg_order):
     """The checks of the walks that make w, u from A (walk_output, replay), k checked already:
     (v, beta, A, G, h0, the chunk and segment tables)."""
-    T, H, K = k.shape
-    v, HV, V = _v_like(fn, v, k)
-    _check_dims(fn, K=K, V=V)
-    _heads(fn, H, HV)
-    beta = _f32(fn, "beta", beta, (T, HV))
-    G = _f32(fn, "G", G, (T, HV))
+    v, beta, G = _v_beta_g(fn, k, v, beta, G)
+    K, (HV, V) = k.shape[2], v.shape[1:]
     cs, cl = _table(fn, chunk_start, chunk_len)
     A = _bf16(fn, "A", A, (cs.shape[0], HV, _CHUNK, _CHUNK), _A_FROM)
     seg = _segments(fn, seg_first, seg_last, seg_len, seg_order)
