@@ -22,11 +22,11 @@ namespace {
 // k, v, beta, G, rstd_k and the chunk table of the prep and solve_a handlers; sets T, H, K,
 // HV, V, NC. v == nullptr (solve_a): HV from beta, V = 0.
 std::string check_prep_inputs(const ffi::AnyBuffer& k, const ffi::AnyBuffer* v,
-                            const ffi::Buffer<ffi::F32>& beta, const ffi::Buffer<ffi::F32>& G,
-                            const ffi::Buffer<ffi::F32>& rstd_k,
-                            const ffi::Buffer<ffi::S32>& chunk_start,
-                            const ffi::Buffer<ffi::S32>& chunk_len, int64_t& T, int64_t& H,
-                            int64_t& K, int64_t& HV, int64_t& V, int64_t& NC, bool& has_rstd) {
+                              const ffi::Buffer<ffi::F32>& beta, const ffi::Buffer<ffi::F32>& G,
+                              const ffi::Buffer<ffi::F32>& rstd_k,
+                              const ffi::Buffer<ffi::S32>& chunk_start,
+                              const ffi::Buffer<ffi::S32>& chunk_len, int64_t& T, int64_t& H,
+                              int64_t& K, int64_t& HV, int64_t& V, int64_t& NC, bool& has_rstd) {
   std::string m = check_qk("k", k);
   if (!m.empty()) return m;
   const auto kd = k.dimensions();
@@ -98,7 +98,7 @@ ffi::Error prep_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
   JCG_CHECK_MSG(check_prep_inputs(k, &v, beta, G, rstd_k, chunk_start, chunk_len, T, H, K, HV,
-                                V, NC, has_rstd));
+                                  V, NC, has_rstd));
   JCG_CHECK_ARG(dims_are(A->dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A->dimensions()));
   JCG_CHECK_MSG(check_wu(w->dimensions(), u->dimensions(), T, HV, K, V));
@@ -123,7 +123,7 @@ ffi::Error solve_a_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ffi::
   int64_t T, H, K, HV, V, NC;
   bool has_rstd = false;
   JCG_CHECK_MSG(check_prep_inputs(k, nullptr, beta, G, rstd_k, chunk_start, chunk_len, T, H, K,
-                                HV, V, NC, has_rstd));
+                                  HV, V, NC, has_rstd));
   JCG_CHECK_ARG(dims_are(A->dimensions(), {NC, HV, kChunk, kChunk}),
                 "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A->dimensions()));
 
