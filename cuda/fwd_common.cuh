@@ -232,27 +232,10 @@ __device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int6
                                               src, row_stride, len);
 }
 
-// In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile times the row
-// scale s[row] (shared memory), rounded to bf16 (the values load_tile_bf16 gives); rows >= len
-// stay zero. scale_tile_bf16_at: the same with element (t, c) of the tile at at(t, c).
-template <int Rows, int D, int Threads, typename At>
-__device__ __forceinline__ void scale_tile_bf16_at(At at, int len, const float* s) {
-  using P = TilePieces<Rows, D, Threads>;
-  const int t0 = P::row0(), c = P::col();
-#pragma unroll
-  for (int j = 0; j < P::kPer; ++j) {
-    const int t = t0 + j * P::kRowStep;
-    if (t < len) {
-      float f[8];
-      lds8(at(t, c), f);
-      sts8_bf16(at(t, c), f, s[t]);
-    }
-  }
-}
-
-// The scaled copy of a bf16 tile (element (t, c) at from(t, c)) into another one (to(t, c); may
-// be the same): bf16(x * s[t]) for rows t < len, zero for the others (whatever their source).
-template <int Rows, int D, int Threads, typename From, typename To>
+// The scaled copy of this thread's pieces of a bf16 tile (element (t, c) at from(t, c)) into
+// another one (to(t, c); may be the same): bf16(x * s[t]) for rows t < len; the other rows are
+// set to zero (whatever their source) when kZeroTail, left as they are otherwise.
+template <int Rows, int D, int Threads, bool kZeroTail = true, typename From, typename To>
 __device__ __forceinline__ void scale_tile_bf16_copy_at(From from, To to, int len,
                                                         const float* s) {
   using P = TilePieces<Rows, D, Threads>;
@@ -264,10 +247,18 @@ __device__ __forceinline__ void scale_tile_bf16_copy_at(From from, To to, int le
       float f[8];
       lds8(from(t, c), f);
       sts8_bf16(to(t, c), f, s[t]);
-    } else {
+    } else if constexpr (kZeroTail) {
       sts8_zero(to(t, c));
     }
   }
+}
+
+// In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile times the row
+// scale s[row] (shared memory), rounded to bf16 (the values load_tile_bf16 gives); rows >= len
+// stay zero. scale_tile_bf16_at: the same with element (t, c) of the tile at at(t, c).
+template <int Rows, int D, int Threads, typename At>
+__device__ __forceinline__ void scale_tile_bf16_at(At at, int len, const float* s) {
+  scale_tile_bf16_copy_at<Rows, D, Threads, false>(at, at, len, s);
 }
 
 template <int Rows, int D, int Threads>
