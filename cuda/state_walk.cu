@@ -83,6 +83,26 @@ std::string a_map(CUtensorMap* m, const void* A, int64_t NC, int64_t HV) {
   return make_tma_bf16(m, A, 2, dims, strides, box);
 }
 
+// A of the walks that make w, u from it (walk_output, replay): bf16[NC, HV, 64, 64], its rows
+// addressable by a_map. Returns "" or what is wrong.
+std::string check_a(ffi::Span<const int64_t> A, int64_t NC, int64_t HV) {
+  if (!dims_are(A, {NC, HV, kChunk, kChunk}))
+    return "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A);
+  if (NC * HV * kChunk >= (int64_t{1} << 31)) return "NC * HV * 64 must be below 2^31";
+  return {};
+}
+
+// The tensor maps of the walks that make w, u from A (bf16 inputs): k, v (token_map) and A.
+// Returns "" or why not.
+template <typename Out>
+std::string from_a_maps(WalkFwdArgs<bf16, Out>& a, int64_t T, int64_t H, int64_t HV, int64_t K,
+                        int64_t V, int64_t NC) {
+  std::string e = token_map(&a.tm_k, a.k, T, H, K);
+  if (e.empty()) e = token_map(&a.tm_v, a.v, T, HV, V);
+  if (e.empty()) e = a_map(&a.tm_A, a.A, NC, HV);
+  return e;
+}
+
 // The checks every walk shares: G, rstd_k, the chunk and segment tables, h0 [S, HV, K, V]; sets
 // NC, S and has_rstd. Returns "" or what is wrong.
 std::string check_walk_inputs(const ffi::Buffer<ffi::F32>& G, const ffi::Buffer<ffi::F32>& h0,
@@ -222,16 +242,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_state_walk, jax_cake_gdn::state_walk_
 namespace jax_cake_gdn {
 namespace {
 
-// The tensor maps of walk_output's TMA loads: q, k, v (token_map) and A [NC * HV * 64, 64].
-// Returns "" or why not.
+// The tensor maps of walk_output's TMA loads: q, then from_a_maps. Returns "" or why not.
 template <typename Out>
 std::string walk_output_maps(WalkFwdArgs<bf16, Out>& a, int64_t T, int64_t H, int64_t HV,
                              int64_t K, int64_t V, int64_t NC) {
   std::string e = token_map(&a.tm_q, a.q, T, H, K);
-  if (e.empty()) e = token_map(&a.tm_k, a.k, T, H, K);
-  if (e.empty()) e = token_map(&a.tm_v, a.v, T, HV, V);
-  if (e.empty()) e = a_map(&a.tm_A, a.A, NC, HV);
-  return e;
+  return e.empty() ? from_a_maps(a, T, H, HV, K, V, NC) : e;
 }
 
 ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -256,9 +272,7 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   int64_t NC, S;
   JCG_CHECK_MSG(check_walk_inputs(G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
                                   seg_len, seg_order, T, H, HV, K, V, NC, S, has_rk));
-  JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
-                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
-  JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31), "NC * HV * 64 must be below 2^31");
+  JCG_CHECK_MSG(check_a(A.dimensions(), NC, HV));
   JCG_CHECK_ARG(dims_are(o->dimensions(), {T, HV, V}),
                 "o must be [T, HV, V], got shape " + dims_str(o->dimensions()));
   const ffi::DataType odt = o->element_type();
@@ -355,9 +369,7 @@ ffi::Error replay_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
   bool has_rstd = false;
   JCG_CHECK_MSG(check_walk_inputs(G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
                                   seg_len, seg_order, T, H, HV, K, V, NC, S, has_rstd));
-  JCG_CHECK_ARG(dims_are(A.dimensions(), {NC, HV, kChunk, kChunk}),
-                "A must be bf16[NC, HV, 64, 64], got shape " + dims_str(A.dimensions()));
-  JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31), "NC * HV * 64 must be below 2^31");
+  JCG_CHECK_MSG(check_a(A.dimensions(), NC, HV));
   JCG_CHECK_MSG(check_tapes(h->dimensions(), v_new->dimensions(), final_state->dimensions(), NC,
                             T, S, HV, K, V));
   JCG_CHECK_ARG(dims_are(w->dimensions(), {T, HV, K}),
@@ -385,9 +397,7 @@ ffi::Error replay_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
         a.v_new = static_cast<bf16*>(v_new->untyped_data());
         a.w_out = static_cast<bf16*>(w->untyped_data());
         if constexpr (std::is_same_v<In, bf16>) {  // the producer's TMA loads of k, v, A
-          map_err = token_map(&a.tm_k, a.k, T, H, KD);
-          if (map_err.empty()) map_err = token_map(&a.tm_v, a.v, T, HV, VT);
-          if (map_err.empty()) map_err = a_map(&a.tm_A, a.A, NC, HV);
+          map_err = from_a_maps(a, T, H, HV, KD, VT, NC);
           if (!map_err.empty()) return;
         }
         err = launch_walk<WalkMode::kReplay, In, bf16, KD, VT>(a, S, stream);
