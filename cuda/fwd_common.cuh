@@ -127,17 +127,6 @@ __device__ __forceinline__ void load8(const float* p, float (&f)[8]) {
   f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
-__device__ __forceinline__ void load8(const bf16* p, float (&f)[8]) {
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(p));
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-    f[2 * i] = x.x;
-    f[2 * i + 1] = x.y;
-  }
-}
-
 // The same from shared memory (plain loads).
 __device__ __forceinline__ void lds8(const float* p, float (&f)[8]) {
   const float4 a = reinterpret_cast<const float4*>(p)[0];
@@ -146,15 +135,25 @@ __device__ __forceinline__ void lds8(const float* p, float (&f)[8]) {
   f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
 }
 
+// A bf16 pair held in a uint32 (x in the low half) -> float2.
+__device__ __forceinline__ float2 unpack2(uint32_t w) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+}
+
 // 8 bf16 held in a uint4 -> float[8].
 __device__ __forceinline__ void unpack8(const uint4 v, float (&f)[8]) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+    const float2 x = unpack2(w[i]);
     f[2 * i] = x.x;
     f[2 * i + 1] = x.y;
   }
+}
+
+// 8 bf16 (16-byte aligned) -> float[8]; read-only path.
+__device__ __forceinline__ void load8(const bf16* p, float (&f)[8]) {
+  unpack8(__ldg(reinterpret_cast<const uint4*>(p)), f);
 }
 
 __device__ __forceinline__ void lds8(const bf16* p, float (&f)[8]) {
@@ -232,12 +231,11 @@ __device__ __forceinline__ void cp_async_tile(T* dst, int ld, const T* src, int6
                                               src, row_stride, len);
 }
 
-// The scaled copy of this thread's pieces of a bf16 tile (element (t, c) at from(t, c)) into
-// another one (to(t, c); may be the same): bf16(x * s[t]) for rows t < len; the other rows are
-// set to zero (whatever their source) when kZeroTail, left as they are otherwise.
-template <int Rows, int D, int Threads, bool kZeroTail = true, typename From, typename To>
-__device__ __forceinline__ void scale_tile_bf16_copy_at(From from, To to, int len,
-                                                        const float* s) {
+// In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile (element
+// (t, c) at at(t, c)) times the row scale s[t] (shared memory), rounded to bf16 (the values
+// load_tile_bf16 gives); rows >= len stay as they are (zero after cp_async_tile).
+template <int Rows, int D, int Threads, typename At>
+__device__ __forceinline__ void scale_tile_bf16_at(At at, int len, const float* s) {
   using P = TilePieces<Rows, D, Threads>;
   const int t0 = P::row0(), c = P::col();
 #pragma unroll
@@ -245,25 +243,10 @@ __device__ __forceinline__ void scale_tile_bf16_copy_at(From from, To to, int le
     const int t = t0 + j * P::kRowStep;
     if (t < len) {
       float f[8];
-      lds8(from(t, c), f);
-      sts8_bf16(to(t, c), f, s[t]);
-    } else if constexpr (kZeroTail) {
-      sts8_zero(to(t, c));
+      lds8(at(t, c), f);
+      sts8_bf16(at(t, c), f, s[t]);
     }
   }
-}
-
-// In place, after cp.async.wait: this thread's pieces of a cp_async_tile bf16 tile times the row
-// scale s[row] (shared memory), rounded to bf16 (the values load_tile_bf16 gives); rows >= len
-// stay zero. scale_tile_bf16_at: the same with element (t, c) of the tile at at(t, c).
-template <int Rows, int D, int Threads, typename At>
-__device__ __forceinline__ void scale_tile_bf16_at(At at, int len, const float* s) {
-  scale_tile_bf16_copy_at<Rows, D, Threads, false>(at, at, len, s);
-}
-
-template <int Rows, int D, int Threads>
-__device__ __forceinline__ void scale_tile_bf16(bf16* dst, int ld, int len, const float* s) {
-  scale_tile_bf16_at<Rows, D, Threads>([=](int t, int c) { return dst + t * ld + c; }, len, s);
 }
 
 // A Rows x D tile into shared memory as bf16 (pitch ld): row t < len is src[t*row_stride + col]

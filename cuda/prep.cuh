@@ -2,17 +2,19 @@
 // value heads of one chunk adjacent in the (1-D) grid so GVA heads share k through L2:
 //
 //   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A bf16[NC, HV, 64, 64]
-//          w = A diag(beta e^G) K -> bf16[T, HV, K],  u = A diag(beta) V -> bf16[T, HV, V]
+//          w = A diag(beta e^G r) K_raw -> bf16[T, HV, K],  u = A diag(beta) V -> bf16[T, HV, V]
 //   solve_a: A only (prep_kernel with kWU = false; the light forward's walk makes w, u itself)
 //
-// k (normalised by rstd_k when given) and v are rounded to bf16 in shared memory; K K^T, A Kb and
-// A Vb run on tensor cores (mma.sync m16n8k16, f32 accumulate; warp w owns rows 16w..16w+15).
-// prep reads k once for both of its scaled copies; with bf16 inputs k and v arrive by cp.async
-// and are scaled in place (v only after the diagonal solve, so its load hides behind K K^T).
-// prep runs 4 CTAs/SM (<= 128 registers, 52.5 KB shared each); solve_a at K = 128 runs 6
+// (r = rstd of k, 1 without L2 norm.) k normalised by r (for K K^T), the raw k and v are rounded
+// to bf16 in shared memory; K K^T and the w, u products run on tensor cores (mma.sync m16n8k16,
+// f32 accumulate; warp w owns rows 16w..16w+15). w and u take the column scales on A:
+//   A_w = bf16(A diag(beta e^G r)),  A_u = bf16(A diag(beta))   (A rounded to bf16 first)
+//   w = A_w bf16(K_raw),  u = A_u bf16(V)   (4 k16 steps from zero, rounded to bf16)
+// the roundings and product order of the walks that make w, u on chip from the saved A
+// (walk_fwd_wg.cuh: the light forward's kOut and the light backward's kReplay), so theirs equal
+// prep's bit for bit (light == full). With bf16 inputs k and v arrive by cp.async as they are.
+// prep runs 4 CTAs/SM (<= 128 registers, 52.8 KB shared each); solve_a at K = 128 runs 6
 // (<= 80 registers, 35.5 KB), latency-bound as it is (prep_min_ctas).
-// The light backward's replay (walk_fwd_wg.cuh, kReplay) makes w and u from the saved A with
-// prep's roundings and product order, so its w, u equal prep's bit for bit (light == full).
 //
 // The 64x64 unit-lower inverse (prep): warp b solves its diagonal 16x16 block by forward
 // substitution (one lane per column), then the off-diagonal blocks go by distance d = 1, 2, 3:
@@ -60,14 +62,16 @@ __device__ __forceinline__ void wy_panels(const uint32_t (&a)[4][4], const bf16*
   }
 }
 
-// w = A Ks, u = A Vs (both bf16) for this warp's rows (a: its bf16 A fragments, 4 k-steps).
-__device__ __forceinline__ void wy_store(const uint32_t (&a)[4][4], const bf16* Ks,
+// w = A_w Ks, u = A_u Vs (bf16 tiles) for this warp's rows (aw, au: its bf16 fragments of A_w,
+// A_u, 4 k-steps).
+__device__ __forceinline__ void wy_store(const uint32_t (&aw)[4][4],
+                                         const uint32_t (&au)[4][4], const bf16* Ks,
                                          const bf16* Vs, bf16* __restrict__ w,
                                          bf16* __restrict__ u, ChunkSpan cs, int hv, int HV,
                                          int K, int V) {
   constexpr int XP = kWyXP;
-  wy_panels(a, Ks, XP, K, w + int64_t{hv} * K, cs.start, int64_t{HV} * K, cs.len);
-  wy_panels(a, Vs, XP, V, u + int64_t{hv} * V, cs.start, int64_t{HV} * V, cs.len);
+  wy_panels(aw, Ks, XP, K, w + int64_t{hv} * K, cs.start, int64_t{HV} * K, cs.len);
+  wy_panels(au, Vs, XP, V, u + int64_t{hv} * V, cs.start, int64_t{HV} * V, cs.len);
 }
 
 // ---------------------------------------------------------------- prep: A, then w and u
@@ -138,7 +142,9 @@ struct PrepSmem {
   static constexpr size_t kAf = size_t{kChunk} * AP * sizeof(float);
   static constexpr size_t kA = kKr > kAf ? kKr : kAf;  // the k tile, then A (after K K^T)
   static constexpr size_t kX = kWyTile;
-  static constexpr size_t bytes = kA + (kWU ? 2 : 1) * kX + 2 * kChunk * sizeof(float);
+  // + beta, G (and kWU: w's column scales beta e^G r)
+  static constexpr size_t bytes =
+      kA + (kWU ? 2 : 1) * kX + (kWU ? 3 : 2) * kChunk * sizeof(float);
   // 4 CTAs/SM (solve_a at K = 128: 6): 228 KB per SM, 1 KB reserved per CTA
   static_assert(prep_min_ctas<K, kWU>() * (bytes + 1024) <= 228 * 1024,
                 "prep no longer fits its CTAs/SM");
@@ -173,41 +179,32 @@ __device__ __forceinline__ void prep_write_a(bf16* __restrict__ out, const float
   }
 }
 
-// prep's k tile, loaded once for both of its bf16 copies: Kr = k diag(rstd) (pitch kp, for
-// K K^T) and Ks = k diag(beta e^G rstd) (pitch kWyXP, for w). The scales and roundings are
-// load_tile_bf16's (bf16(float(x) * s), s = (beta * e^G) * rstd), the ones the light backward's
-// replay applies too.
+// prep's k tile, loaded once for its two bf16 copies: Kr = k diag(rstd) (pitch kp, for K K^T;
+// bf16(float(x) * rstd), load_tile_bf16's rounding) and (kWU) Ks = bf16(k) (pitch kWyXP, for w).
 //
 // bf16 inputs: the raw k and v rows go to Ks and Vs by cp.async (cp_async_tile: rows
-// t >= len zero-filled) and the thread that copied a 16-byte chunk later rescales that same chunk
-// in place (so its own cp.async.wait is all it needs): k now (prep_k_finish), v after the
-// diagonal solve (scale_tile_bf16 by beta), which hides v's load behind K K^T and the solve and
-// keeps no load data in registers. f32 inputs: through registers (one global read of k, two
-// shared stores).
+// t >= len zero-filled) and the thread that copied a 16-byte chunk of k later makes that same
+// chunk's Kr (so its own cp.async.wait is all it needs); v is waited for after the diagonal
+// solve, so its load hides behind K K^T and the solve. f32 inputs: through registers (one global
+// read of k, two shared stores).
 
-// Per-row k scales of this thread's k chunks (TilePieces rows, clamped): rs = rstd,
-// ks = beta e^G rstd (kWU only), evaluated as (beta * e^G) * rstd.
-template <int K, bool kWU>
+// rstd of this thread's k chunks (TilePieces rows, clamped).
+template <int K>
 struct PrepKScales {
   using P = TilePieces<kChunk, K, kPrepThreads>;
   static constexpr int kPer = P::kPer;
-  float rs[kPer], ks[kPer];
-  __device__ __forceinline__ void load(const float* bt, const float* gt, const ScaleRstd& r,
-                                       int len, int HV) {
+  float rs[kPer];
+  __device__ __forceinline__ void load(const ScaleRstd& r, int len) {
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int t = min(P::row0() + j * P::kRowStep, len - 1);
-      rs[j] = r(t);
-      if constexpr (kWU) ks[j] = __ldg(bt + t * HV) * exp_ftz(__ldg(gt + t * HV)) * rs[j];
-    }
+    for (int j = 0; j < kPer; ++j) rs[j] = r(min(P::row0() + j * P::kRowStep, len - 1));
   }
 };
 
-// bf16: this thread's raw k chunks in Ks (its cp.async group done) -> Kr and (kWU) Ks, in place.
-template <int K, bool kWU>
-__device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
-                                              const PrepKScales<K, kWU>& sc, int len) {
-  using P = typename PrepKScales<K, kWU>::P;
+// bf16: this thread's raw k chunks in Ks (its cp.async group done) -> Kr.
+template <int K>
+__device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, const bf16* Ks,
+                                              const PrepKScales<K>& sc, int len) {
+  using P = typename PrepKScales<K>::P;
 #pragma unroll
   for (int j = 0; j < P::kPer; ++j) {
     const int t = P::row0() + j * P::kRowStep, c8 = P::col();
@@ -215,44 +212,57 @@ __device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, bf16* Ks,
       float f[8];
       lds8(Ks + t * kWyXP + c8, f);
       sts8_bf16(Kr + t * kp + c8, f, sc.rs[j]);
-      if constexpr (kWU) sts8_bf16(Ks + t * kWyXP + c8, f, sc.ks[j]);
     } else {
       sts8_zero(Kr + t * kp + c8);  // Ks: zero-filled by cp.async
     }
   }
 }
 
-
 // f32: k rows -> Kr and (kWU) Ks through registers, NB chunks per thread in flight
 // (load_tile_bf16's batching).
 template <int K, bool kWU>
 __device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, const float* src,
-                                                int64_t row_stride, int len, const float* bt,
-                                                const float* gt, const ScaleRstd& r, int HV) {
+                                                int64_t row_stride, int len,
+                                                const ScaleRstd& r) {
   using P = TilePieces<kChunk, K, kPrepThreads>;
   constexpr int kNB = 4;
   static_assert(P::kPer % kNB == 0, "tile does not split evenly");
   const int t0 = P::row0(), c8 = P::col();
 #pragma unroll 1
   for (int b0 = 0; b0 < P::kPer; b0 += kNB) {
-    float f[kNB][8], rs[kNB], ks[kNB];
+    float f[kNB][8], rs[kNB];
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
       const int tt = min(t0 + (b0 + j) * P::kRowStep, len - 1);
       load8(src + tt * row_stride + c8, f[j]);
       rs[j] = r(tt);
-      if constexpr (kWU) ks[j] = __ldg(bt + tt * HV) * exp_ftz(__ldg(gt + tt * HV)) * rs[j];
     }
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
       const int t = t0 + (b0 + j) * P::kRowStep;
       if (t < len) {
         sts8_bf16(Kr + t * kp + c8, f[j], rs[j]);
-        if constexpr (kWU) sts8_bf16(Ks + t * kWyXP + c8, f[j], ks[j]);
+        if constexpr (kWU) sts8_bf16(Ks + t * kWyXP + c8, f[j], 1.f);
       } else {
         sts8_zero(Kr + t * kp + c8);
         if constexpr (kWU) sts8_zero(Ks + t * kWyXP + c8);
       }
+    }
+  }
+}
+
+// Column j's scale s[j] on this warp's bf16 A fragments a: out = bf16(float(a) * s[j]), the
+// rounding of the walks' A scaling (walk_fwd_wg.cuh).
+__device__ __forceinline__ void prep_scale_cols(const uint32_t (&a)[4][4], const float* s,
+                                                uint32_t (&out)[4][4]) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // a0, a1: columns 2q, 2q + 1; a2, a3: 8 + 2q, 9 + 2q
+      const int j = 16 * ks + 8 * (r >> 1) + 2 * q;
+      const float2 x = unpack2(a[ks][r]);
+      out[ks][r] = pack_bf16(x.x * s[j], x.y * s[j + 1]);
     }
   }
 }
@@ -277,6 +287,7 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
   // beta (0 on padding rows)
   float* sb = reinterpret_cast<float*>(smem + Sm::kA + (kWU ? 2 : 1) * Sm::kX);
   float* sg = sb + kChunk;  // G (G of the last row on padding rows)
+  float* sw = sg + kChunk;  // kWU: w's column scales beta e^G r (0 on padding rows)
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
   const int hk = hv / (HV / H);
@@ -292,8 +303,6 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
   constexpr bool kAsync = std::is_same<In, bf16>::value;
   const In* ksrc = k + hk * K + cs.start * H * K;
   const In* vsrc = v + int64_t{hv} * V + cs.start * HV * V;
-  const float* bt = beta + cs.start * HV + hv;
-  const float* gt = G + cs.start * HV + hv;
   const ScaleRstd rs{rstd, cs.start, H, hk};
   if constexpr (kAsync) {
     cp_async_tile<kChunk, K, kPrepThreads>(Ks, kWyXP, ksrc, int64_t{H} * K, len);
@@ -309,23 +318,27 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
   }
   if (tid < kChunk) {
     const int t = tid;
-    sg[t] = G[(cs.start + min(t, len - 1)) * HV + hv];
-    sb[t] = t < len ? beta[(cs.start + t) * HV + hv] : 0.f;
+    const float gg = G[(cs.start + min(t, len - 1)) * HV + hv];
+    const float bb = t < len ? beta[(cs.start + t) * HV + hv] : 0.f;
+    sg[t] = gg;
+    sb[t] = bb;
+    if constexpr (kWU) sw[t] = bb * exp_ftz(gg) * rs(min(t, len - 1));  // (beta e^G) r
   }
   if constexpr (kAsync) {
-    PrepKScales<K, kWU> sc;
-    sc.load(bt, gt, rs, len, HV);
+    PrepKScales<K> sc;
+    sc.load(rs, len);
     asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's k chunks
-    prep_k_finish<K, kWU>(Kr, KP, Ks, sc, len);
+    prep_k_finish<K>(Kr, KP, Ks, sc, len);
   } else {
     prep_load_k_f32<K, kWU>(Kr, KP, Ks, reinterpret_cast<const float*>(ksrc), int64_t{H} * K,
-                            len, bt, gt, rs, HV);
+                            len, rs);
     if constexpr (kWU) {
-      const auto sv = [&](int t) { return __ldg(bt + t * HV); };
       if (V == 64) {
-        load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len, sv);
+        load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len,
+                                                    ScaleOne{});
       } else {
-        load_tile_bf16<kChunk, 128, 8, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len, sv);
+        load_tile_bf16<kChunk, 128, 8, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len,
+                                                     ScaleOne{});
       }
     }
   }
@@ -401,14 +414,7 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
   __syncwarp();
   uint32_t dhi[4], dlo[4];  // A_ww, split
   split_a(Aww, AP, dhi, dlo);
-  if constexpr (kAsync && kWU) {  // v diag(beta), this thread's chunks (read by wy_store later)
-    cp_async_wait_all();
-    if (V == 64) {
-      scale_tile_bf16<kChunk, 64, kPrepThreads>(Vs, kWyXP, len, sb);
-    } else {
-      scale_tile_bf16<kChunk, 128, kPrepThreads>(Vs, kWyXP, len, sb);
-    }
-  }
+  if constexpr (kAsync && kWU) cp_async_wait_all();  // v (read by wy_store after the barriers)
   __syncthreads();
 
   // Off-diagonal blocks by distance: warp i >= d computes A_{i, i-d}.
@@ -432,7 +438,8 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
   if constexpr (!kWU) {
     prep_write_a(Aout, As, AP);
   } else {
-    // A out (bf16), and as bf16 A fragments (the values the replay reads back) for w and u.
+    // A out (bf16), and as bf16 A fragments (the values the walks read back), column-scaled into
+    // A_w, A_u for w and u.
     uint32_t a[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
@@ -446,7 +453,10 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
       }
     }
     prep_write_a(Aout, As, AP);
-    wy_store(a, Ks, Vs, w, u, cs, hv, HV, K, V);
+    uint32_t aw[4][4], au[4][4];
+    prep_scale_cols(a, sw, aw);
+    prep_scale_cols(a, sb, au);
+    wy_store(aw, au, Ks, Vs, w, u, cs, hv, HV, K, V);
   }
 }
 

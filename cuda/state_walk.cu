@@ -17,9 +17,9 @@
 //   jax_cake_gdn_replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first,
 //                       seg_last, seg_len, seg_order) -> h, v_new, w bf16[T, HV, K], final
 //
-// The light backward's replay: state_walk on prep's w, u, made on chip from A (as prep and wy
-// make them, bit for bit: bf16(k diag(beta e^G rstd)), bf16(v diag(beta)), times bf16 A in 4
-// k16 steps, rounded to bf16), and w written for walk_bwd (u is not needed after the walk).
+// The light backward's replay: state_walk on prep's w, u, made on chip from A (as prep makes
+// them, bit for bit: bf16(A diag(beta e^G rstd)) times bf16 k, bf16(A diag(beta)) times bf16 v,
+// in 4 k16 steps, rounded to bf16), and w written for walk_bwd (u is not needed after the walk).
 //
 // The light forward's walk: o = output(state_walk(...)) with w, u made on chip from A bf16[NC,
 // HV, 64, 64] (solve_a's) and h, v_new kept there. q, k, v: same dtype (v [T, HV, V]); beta

@@ -46,24 +46,21 @@
 // before it arrives at the barrier that opens chunk c + 1. kOut with bf16 inputs loads q, k, v
 // and A by TMA (tma.cuh; one thread, one mbarrier a buffer), then zeroes the rows past a
 // partial chunk's end (TMA reads on into the next document), as the cp.async zero fill does.
-// kTapes copies w and u. kReplay makes prep's (prep.cuh): bf16(k diag(beta e^G r)) into the w
-// slabs and bf16(v diag(beta)) in the u slabs, then w = A (that), u = A (that) in place (m64n64
-// wgmma blocks, 4 k16 steps from zero, rounded to bf16: prep's and wy's mma.sync products), and
-// it writes w's token rows for walk_bwd. kOut makes them (prep's w, u up to bf16 rounding):
+// kTapes copies w and u. kOut and kReplay make them from A as prep does (prep.cuh):
 //   A_u = bf16(A diag(beta)),  A_w = bf16(A diag(beta e^G r))   (A bf16 from solve_a / prep)
-//   u^T = V^T A_u^T,  w = A_w K   (m64n64 wgmma blocks, f32 accumulate, rounded to bf16 into
-//   the slabs)
-// with v landing in the u slabs (each 64-column block of u^T overwrites the v columns it read)
-// and k in its own slabs (the compute warps read it as they are). A diag(.) rounds where prep
-// rounds K diag(.), so o agrees with a walk on prep's w, u to about one bf16 rounding.
+//   w = A_w K,  u = A_u V   (m64n64 wgmma blocks, 4 k16 steps from zero, rounded to bf16 into
+//   the slabs: prep's mma.sync products, so kReplay's w, u are prep's bit for bit)
+// kOut takes u transposed (u^T = V^T A_u^T: the same sums, operand roles swapped). v lands in
+// the u slabs (each 64-column block of u or u^T overwrites the v columns it read) and k in its
+// own slabs (the compute warps read it as they are). kReplay writes w's token rows for walk_bwd.
 // Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut, kReplay: 88, for its
 // 32-register wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at
 // launch, compute 224, kOut and kReplay 208; kTapes at V = 64: 2 CTAs per SM, 128 at launch,
 // compute 200; kOut, kReplay at V = 64: 1 CTA per SM, no reallocation).
 // Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Vd 2 x 8 KB, rows, + 1 KB
-// alignment; tapes: Sb 2 x 16 KB, 146 KB in all (kReplay: + A 8 KB, 4 rows a buffer); kOut: q
-// 2 x 16 KB, Att 8 KB, A_u and A_w 8 KB each, 6 rows a buffer: about 172 KB. One CTA of 12 warps
-// per SM.
+// alignment; tapes: Sb 2 x 16 KB, 146 KB in all (kReplay: + A_u, A_w 16 KB, 3 rows a buffer);
+// kOut: q 2 x 16 KB, Att 8 KB, A_u and A_w 8 KB each, 6 rows a buffer: about 172 KB. One CTA of
+// 12 warps per SM.
 #pragma once
 
 #include <type_traits>
@@ -121,9 +118,9 @@ struct WalkFwdWgSmem {
   static constexpr int kWarpgroups = V / 64;  // compute warpgroups
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  // G, rstd; kOut: scale rstd_q, beta, d, e^G; kReplay: beta, w's k scale beta e^G rstd
+  // G, rstd; kOut: scale rstd_q, beta, d, e^G; kReplay: beta
   static constexpr size_t kRows =
-      (kOut ? 6 : M == WalkMode::kReplay ? 4 : 2) * kChunk * sizeof(float);
+      (kOut ? 6 : M == WalkMode::kReplay ? 3 : 2) * kChunk * sizeof(float);
   static constexpr size_t oK = 0;                                        // 2 buffers
   static constexpr size_t oWs = oK + 2 * kTok;                           // 2 buffers
   static constexpr size_t oUs = oWs + 2 * kTok;  // 2 buffers of V / 64 slabs [token][v]
@@ -132,13 +129,13 @@ struct WalkFwdWgSmem {
   static constexpr size_t oVd = oSb + (kOut ? 0 : kWarpgroups * size_t{K} * 128);
   static constexpr size_t oQ = oVd + kWarpgroups * kSlab;                // kOut: 2 buffers
   static constexpr size_t oAtt = oQ + (kOut ? 2 * kTok : 0);             // kOut: [i][j]
-  // the producer's A (kFromA; kOut: A_u) and A_w (kOut)
+  // the producer's A_u and A_w (kFromA; A lands in A_u)
   static constexpr size_t oAu = oAtt + (kOut ? kSlab : 0);
   static constexpr size_t oAw = oAu + (kFromA ? kSlab : 0);
-  static constexpr size_t oRows = oAw + (kOut ? kSlab : 0);              // 2 buffers
+  static constexpr size_t oRows = oAw + (kFromA ? kSlab : 0);            // 2 buffers
   static constexpr size_t oBar = oRows + 2 * kRows;  // 2 mbarriers (TMA: one a buffer)
   static constexpr size_t bytes = oBar + 16 + 1024;  // + alignment
-  static_assert(!kFromA || oRows >= oAu + kSlab, "walk_fwd_wg: A overlaps the rows");
+  static_assert(!kFromA || oRows >= oAw + kSlab, "walk_fwd_wg: A_w overlaps the rows");
   static_assert(bytes <= 227 * 1024, "walk_fwd_wg: shared memory over the sm_90 limit");
 };
 
@@ -232,9 +229,47 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
                                                 src + (start * H + hk) * K, int64_t{H} * K,
                                                 max(len, 1), ScaleOne{});
     };
-    // kOut: out = A_s X as bf16 slabs, one 64-column slab at a time (D columns; A_s: A_u or A_w,
-    // one K-major slab; X: [64 tokens][D] slabs, MN-major B). out may be X itself: a slab is
-    // read only by its own product, and every warp's part of it is done before the store.
+    // kOut, kReplay: A (landed in A_u) -> A_u = bf16(A diag(beta)) in place and A_w = bf16(A
+    // diag(beta e^G r)), prep's roundings (prep.cuh); r: the chunk's rows (G, then rstd), rb: its
+    // beta row.
+    [[maybe_unused]] auto scale_a = [&](const float* r, const float* rb) {
+      unsigned char* Au = smem + Sm::oAu;
+      unsigned char* Aw = smem + Sm::oAw;
+      using P = TilePieces<kChunk, kChunk, kLoaders>;
+      const int c8 = P::col();
+      float fu[8], fw[8];  // this thread's columns c8..: beta, beta e^G r
+      lds8(rb + c8, fu);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int j = c8 + e;
+        fw[e] = fu[e] * exp_ftz(r[j]) * (a.rstd != nullptr ? r[kChunk + j] : 1.f);
+      }
+      uint4 raw[P::kPer];  // every piece loaded before any is written
+#pragma unroll
+      for (int p = 0; p < P::kPer; ++p)
+        raw[p] = *reinterpret_cast<const uint4*>(
+            Au + sw128_offset(P::row0() + p * P::kRowStep, c8));
+#pragma unroll
+      for (int p = 0; p < P::kPer; ++p) {
+        const uint32_t off = sw128_offset(P::row0() + p * P::kRowStep, c8);
+        float f[8];
+        unpack8(raw[p], f);
+        uint4 xu, xw;
+        xu.x = pack_bf16(f[0] * fu[0], f[1] * fu[1]);
+        xu.y = pack_bf16(f[2] * fu[2], f[3] * fu[3]);
+        xu.z = pack_bf16(f[4] * fu[4], f[5] * fu[5]);
+        xu.w = pack_bf16(f[6] * fu[6], f[7] * fu[7]);
+        xw.x = pack_bf16(f[0] * fw[0], f[1] * fw[1]);
+        xw.y = pack_bf16(f[2] * fw[2], f[3] * fw[3]);
+        xw.z = pack_bf16(f[4] * fw[4], f[5] * fw[5]);
+        xw.w = pack_bf16(f[6] * fw[6], f[7] * fw[7]);
+        *reinterpret_cast<uint4*>(Au + off) = xu;
+        *reinterpret_cast<uint4*>(Aw + off) = xw;
+      }
+    };
+    // kOut, kReplay: out = A_s X as bf16 slabs, one 64-column slab at a time (D columns; A_s:
+    // A_u or A_w, one K-major slab; X: [64 tokens][D] slabs, MN-major B). out may be X itself: a
+    // slab is read only by its own product, and every warp's part of it is done before the store.
     [[maybe_unused]] auto wu_product = [&](const unsigned char* As, const unsigned char* X,
                                            unsigned char* out, int D) {
 #pragma unroll 1
@@ -328,64 +363,26 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           r[5 * kChunk + t] = exp_ftz(r[min(t, last)]);
           r[2 * kChunk + t] = a.scale * (a.rstd_q != nullptr ? r[2 * kChunk + t] : 1.f);
         }
-        {  // A_u = bf16(A diag(beta)) in place, A_w = bf16(A diag(beta e^G r))
-          using P = TilePieces<kChunk, kChunk, kLoaders>;
-          const int c8 = P::col();
-          float fu[8], fw[8];  // this thread's columns c8..: beta, beta e^G r
-          lds8(r + 3 * kChunk + c8, fu);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            const int j = c8 + e;
-            fw[e] = fu[e] * exp_ftz(r[j]) * (a.rstd != nullptr ? r[kChunk + j] : 1.f);
-          }
-          uint4 raw[P::kPer];  // every piece loaded before any is written
-#pragma unroll
-          for (int p = 0; p < P::kPer; ++p)
-            raw[p] = *reinterpret_cast<const uint4*>(
-                Au + sw128_offset(P::row0() + p * P::kRowStep, c8));
-#pragma unroll
-          for (int p = 0; p < P::kPer; ++p) {
-            const uint32_t off = sw128_offset(P::row0() + p * P::kRowStep, c8);
-            float f[8];
-            unpack8(raw[p], f);
-            uint4 xu, xw;
-            xu.x = pack_bf16(f[0] * fu[0], f[1] * fu[1]);
-            xu.y = pack_bf16(f[2] * fu[2], f[3] * fu[3]);
-            xu.z = pack_bf16(f[4] * fu[4], f[5] * fu[5]);
-            xu.w = pack_bf16(f[6] * fu[6], f[7] * fu[7]);
-            xw.x = pack_bf16(f[0] * fw[0], f[1] * fw[1]);
-            xw.y = pack_bf16(f[2] * fw[2], f[3] * fw[3]);
-            xw.z = pack_bf16(f[4] * fw[4], f[5] * fw[5]);
-            xw.w = pack_bf16(f[6] * fw[6], f[7] * fw[7]);
-            *reinterpret_cast<uint4*>(Au + off) = xu;
-            *reinterpret_cast<uint4*>(Aw + off) = xw;
-          }
-        }
+        scale_a(r, r + 3 * kChunk);
         fence_proxy_async();
         producer_sync();  // A_u, A_w (and zeroed rows) for the products
         ut_product(Au, u_slabs(b));
         wu_product(Aw, k_slabs(b), w_slabs(b), K);
-      } else if constexpr (kReplay) {  // rows; k, v (into the u slabs), A; then w, u
+      } else if constexpr (kReplay) {  // rows; A (into A_u), v (into the u slabs), k; w, u
         const RowVector vecs[3] = {{r, a.G, HV, hv},
                                    {r + kChunk, a.rstd, H, hk},
                                    {r + 2 * kChunk, a.beta, HV, hv}};
         cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
         cp_async_commit();
-        unsigned char* As = smem + Sm::oAu;
+        unsigned char* Au = smem + Sm::oAu;
+        unsigned char* Aw = smem + Sm::oAw;
         const int row_A = (c * HV + hv) * kChunk, t0 = static_cast<int>(cs.start);
-        const int pt = threadIdx.x - kCompute;
-        // w's k scale, beta e^G rstd, as prep and wy evaluate it (rows >= len: 0)
-        auto k_scales = [&] {
-          if (pt < kChunk)
-            r[3 * kChunk + pt] = r[2 * kChunk + pt] * exp_ftz(r[pt]) *
-                                 (a.rstd != nullptr ? r[kChunk + pt] : 1.f);
-        };
         if constexpr (kTma) {
           if (threadIdx.x == kCompute) {
             uint64_t* bar = bars + b;
             mbar_arrive_expect_tx(bar, static_cast<uint32_t>(Sm::kSlab + Sm::kTok +
                                                              Sm::kWarpgroups * Sm::kSlab));
-            tma_load_2d(As, &a.tm_A, 0, row_A, bar);
+            tma_load_2d(Au, &a.tm_A, 0, row_A, bar);
 #pragma unroll
             for (int j = 0; j < V / 64; ++j)
               tma_load_3d(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0, bar);
@@ -394,47 +391,30 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
               tma_load_3d(k_slabs(b) + j * Sm::kSlab, &a.tm_k, 64 * j, hk, t0, bar);
           }
           cp_async_wait_all();
-          producer_sync();  // rows
-          k_scales();
           mbar_wait(bars + b, ((c - c_first) >> 1) & 1);
-          if (cs.len < kChunk)  // k rows past the chunk's end: zero, as cp.async leaves them
-            zero_slab_rows<kLoaders>(k_slabs(b), K / 64, cs.len, pt);
-          producer_sync();  // the k scales
-          // prep's operands: bf16(k diag(beta e^G rstd)) into the w slabs, bf16(v diag(beta))
-          // in place; rows past the chunk's end zero (v's too: TMA read on into the next
-          // document)
-          scale_tile_bf16_copy_at<kChunk, K, kLoaders>(slab_at<kChunk>(k_slabs(b)),
-                                                       slab_at<kChunk>(w_slabs(b)), cs.len,
-                                                       r + 3 * kChunk);
-          scale_tile_bf16_copy_at<kChunk, V, kLoaders>(slab_at<kChunk>(u_slabs(b)),
-                                                       slab_at<kChunk>(u_slabs(b)), cs.len,
-                                                       r + 2 * kChunk);
-        } else {  // f32 k, v: scaled (w, u operands) and rounded (k) on the way
+          if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
+            const int t = threadIdx.x - kCompute;
+            zero_slab_rows<kLoaders>(u_slabs(b), V / 64, cs.len, t);
+            zero_slab_rows<kLoaders>(k_slabs(b), K / 64, cs.len, t);
+          }
+        } else {  // f32 k, v: rounded to bf16 on the way
           cp_async_tile_at<kChunk, kChunk, kLoaders, kCopyUnroll>(
-              slab_at<kChunk>(As), a.A + static_cast<int64_t>(row_A) * kChunk, kChunk, kChunk);
+              slab_at<kChunk>(Au), a.A + static_cast<int64_t>(row_A) * kChunk, kChunk, kChunk);
           cp_async_commit();
-          copy_qk(a.k, k_slabs(b), cs.start, cs.len);
-          cp_async_wait_all();
-          producer_sync();  // rows
-          k_scales();
-          producer_sync();  // the k scales
-          const float* sk = r + 3 * kChunk;
-          const float* sv = r + 2 * kChunk;
-          load_tile_bf16_at<kChunk, K, 2, kLoaders>(slab_at<kChunk>(w_slabs(b)),
-                                                    a.k + (cs.start * H + hk) * K,
-                                                    int64_t{H} * K, max(cs.len, 1),
-                                                    [&](int t) { return sk[t]; });
           load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)),
                                                     a.v + (cs.start * HV + hv) * V,
                                                     int64_t{HV} * V, max(cs.len, 1),
-                                                    [&](int t) { return sv[t]; });
+                                                    ScaleOne{});
+          copy_qk(a.k, k_slabs(b), cs.start, cs.len);
+          cp_async_wait_all();
         }
+        producer_sync();  // rows, A, v, k
+        scale_a(r, r + 2 * kChunk);
         fence_proxy_async();
-        producer_sync();  // A and the scaled k, v for the products
-        // w = A bf16(k diag(.)), u = A bf16(v diag(beta)): prep's products (4 k16 steps from
-        // zero), rounded to bf16, in place
-        wu_product(As, w_slabs(b), w_slabs(b), K);
-        wu_product(As, u_slabs(b), u_slabs(b), V);
+        producer_sync();  // A_u, A_w (and zeroed rows) for the products
+        // w = A_w k, u = A_u v: prep's products (4 k16 steps from zero), rounded to bf16
+        wu_product(Aw, k_slabs(b), w_slabs(b), K);
+        wu_product(Au, u_slabs(b), u_slabs(b), V);
         producer_sync();  // every warp's part of w stored
         {  // w's token rows to global (16-byte pieces)
           using P = TilePieces<kChunk, K, kLoaders>;

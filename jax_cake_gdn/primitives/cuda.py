@@ -390,8 +390,9 @@ def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
     rounded to nearest: the walks and chunk_bwd use it only as a bf16 operand), then
     w = A diag(beta e^G) K bf16[T, HV, K] (likewise rounded: the walks' operand) and
     u = A diag(beta) V bf16[T, HV, V] (rounded: the walks start their f32 v_new accumulator
-    from it), in one kernel. w and u are bitwise what `replay` makes from this A (the light
-    backward)."""
+    from it), in one kernel. The column scales go on A: w = bf16(A diag(beta e^G rstd_k)) K and
+    u = bf16(A diag(beta)) V with K, V as bf16 operands (k unnormalised), so w and u are bitwise
+    what `replay` makes from this A (the light backward)."""
     fn = "prep"
     k, v, beta, G, r, cs, cl = _prep_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
     T, _, K = k.shape
@@ -480,9 +481,9 @@ def _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len, seg_first, 
 def replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len,
            seg_order):
     """`state_walk` on `prep`'s w, u, made on chip from A (the light backward's replay): the
-    kernel rounds k diag(beta e^G rstd) and v diag(beta) to bf16 and multiplies them by A in the
-    order prep does, so h, v_new, w and the exit states are bit for bit those of `state_walk` on
-    prep's w, u (u stays on chip).
+    kernel rounds A diag(beta e^G rstd) and A diag(beta) to bf16 and multiplies k and v by them
+    in the order prep does, so h, v_new, w and the exit states are bit for bit those of
+    `state_walk` on prep's w, u (u stays on chip).
 
     k, v: bf16/f32 (same dtype; k [T, H, K], v [T, HV, V]); beta, G f32[T, HV]; A
     bf16[NC, HV, 64, 64] as `solve_a` / `prep` return it; h0, rstd_k and the tables as
@@ -537,8 +538,9 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
     q, k, v: bf16/f32 (same dtype; q, k [T, H, K], v [T, HV, V]); beta f32[T, HV]; A
     bf16[NC, HV, 64, 64] as `solve_a` returns it; G, h0, rstd_k and the tables as `state_walk`;
     rstd_q f32[T, H] or None. The kernel makes w = bf16(A diag(beta e^G r)) K and
-    u = bf16(A diag(beta)) V as bf16 on chip (prep rounds K diag(.) instead of A diag(.)), so o
-    agrees with `output` after `state_walk` on prep's w, u to about one bf16 rounding. Returns o
+    u = bf16(A diag(beta)) V as bf16 on chip, as prep does, but takes q, k unnormalised and
+    scales accumulators and v_new instead, so o agrees with `output` after `state_walk` on
+    prep's w, u to about one bf16 rounding. Returns o
     [T, HV, V] in out_dtype (as `output`) and the exit state of each segment f32[S, HV, K, V]
     (as `state_walk`).
     """
