@@ -173,6 +173,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   static_assert(V == 64 || V == 128, "V = 64 or 128");
   constexpr bool kOut = M == WalkMode::kOut, kReplay = M == WalkMode::kReplay;
   using Sm = WalkFwdWgSmem<M, K, V>;
+  constexpr bool kFromA = Sm::kFromA;  // kOut, kReplay: w, u made from A
   using Regs = WalkFwdWgRegs<M, V>;
   static_assert(walk_fwd_wg_ctas<M, V>() * (Sm::bytes + 1024) <= 228 * 1024,
                 "walk_fwd_wg: the CTAs per SM do not fit in shared memory");
@@ -228,6 +229,51 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
       load_tile_bf16_at<kChunk, K, 4, kLoaders>(slab_at<kChunk>(slabs),
                                                 src + (start * H + hk) * K, int64_t{H} * K,
                                                 max(len, 1), ScaleOne{});
+    };
+    // bf16 inputs: the TMA boxes of chunk c (first token t0) for buffer b, each given to
+    // f(dst, map, c0, c1, c2) (c2 < 0: A's 2-D map at (c0, c1)); kOut: A, v, q, k; kReplay: A,
+    // v, k; kTapes: k, w, u.
+    [[maybe_unused]] auto chunk_boxes = [&](int c, int t0, int b, auto&& f) {
+      if constexpr (kFromA) {
+        f(smem + Sm::oAu, &a.tm_A, 0, (c * HV + hv) * kChunk, -1);
+#pragma unroll
+        for (int j = 0; j < V / 64; ++j) f(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0);
+      }
+#pragma unroll
+      for (int j = 0; j < K / 64; ++j) {
+        if constexpr (kOut) f(q_slabs(b) + j * Sm::kSlab, &a.tm_q, 64 * j, hk, t0);
+        f(k_slabs(b) + j * Sm::kSlab, &a.tm_k, 64 * j, hk, t0);
+        if constexpr (!kFromA) f(w_slabs(b) + j * Sm::kSlab, &a.tm_w, 64 * j, hv, t0);
+      }
+      if constexpr (!kFromA) {
+#pragma unroll
+        for (int j = 0; j < V / 64; ++j) f(u_slabs(b) + j * Sm::kSlab, &a.tm_u, 64 * j, hv, t0);
+      }
+    };
+    // One thread: chunk c's boxes into buffer b, completing on its mbarrier.
+    [[maybe_unused]] auto tma_chunk = [&](int c, int t0, int b) {
+      constexpr uint32_t kBytes = (kOut ? Sm::kSlab + 2 * Sm::kTok
+                                        : kReplay ? Sm::kSlab + Sm::kTok : 2 * Sm::kTok) +
+                                  Sm::kWarpgroups * Sm::kSlab;
+      uint64_t* bar = bars + b;
+      mbar_arrive_expect_tx(bar, kBytes);
+      chunk_boxes(c, t0, b, [&](unsigned char* dst, const CUtensorMap* m, int x, int y, int z) {
+        if (z < 0) {
+          tma_load_2d(dst, m, x, y, bar);
+        } else {
+          tma_load_3d(dst, m, x, y, z, bar);
+        }
+      });
+    };
+    // One thread: chunk c's boxes into L2, a chunk step before their tma_chunk (kReplay).
+    [[maybe_unused]] auto tma_prefetch_chunk = [&](int c, int t0) {
+      chunk_boxes(c, t0, 0, [&](unsigned char*, const CUtensorMap* m, int x, int y, int z) {
+        if (z < 0) {
+          tma_prefetch_2d(m, x, y);
+        } else {
+          tma_prefetch_3d(m, x, y, z);
+        }
+      });
     };
     // kOut, kReplay: A (landed in A_u) -> A_u = bf16(A diag(beta)) in place and A_w = bf16(A
     // diag(beta e^G r)), prep's roundings (prep.cuh); r: the chunk's rows (G, then rstd), rb: its
@@ -308,7 +354,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         wg_store_slab<64>(acc, X + n * Sm::kSlab, wq);
       }
     };
-    auto copy_chunk = [&](int c, int b, const ChunkSpan cs) {
+    // chunk c (span cs) into buffer b; kReplay with bf16: then chunk c + 1's boxes (span cs1)
+    // into L2 (its producer waited on its TMA loads: replay 1.08 -> 1.00 ms at B23; the same
+    // prefetch made kOut 0.78 -> 0.80-0.82 and kTapes 0.71 -> 0.73)
+    auto copy_chunk = [&](int c, int b, const ChunkSpan cs, const ChunkSpan cs1) {
       float* r = rows(b);
       if constexpr (kOut) {  // rows; A (into A_u), v (into the u slabs), q, k
         const RowVector vecs[4] = {{r, a.G, HV, hv},
@@ -321,20 +370,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         unsigned char* Aw = smem + Sm::oAw;
         const int row_A = (c * HV + hv) * kChunk, t0 = static_cast<int>(cs.start);
         if constexpr (kTma) {
-          if (threadIdx.x == kCompute) {
-            uint64_t* bar = bars + b;
-            mbar_arrive_expect_tx(bar, static_cast<uint32_t>(Sm::kSlab + 2 * Sm::kTok +
-                                                             Sm::kWarpgroups * Sm::kSlab));
-            tma_load_2d(Au, &a.tm_A, 0, row_A, bar);
-#pragma unroll
-            for (int j = 0; j < V / 64; ++j)
-              tma_load_3d(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0, bar);
-#pragma unroll
-            for (int j = 0; j < K / 64; ++j) {
-              tma_load_3d(q_slabs(b) + j * Sm::kSlab, &a.tm_q, 64 * j, hk, t0, bar);
-              tma_load_3d(k_slabs(b) + j * Sm::kSlab, &a.tm_k, 64 * j, hk, t0, bar);
-            }
-          }
+          if (threadIdx.x == kCompute) tma_chunk(c, t0, b);
           cp_async_wait_all();
           mbar_wait(bars + b, ((c - c_first) >> 1) & 1);  // buffer b's (c - c_first) / 2-th use
           if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
@@ -378,18 +414,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         unsigned char* Aw = smem + Sm::oAw;
         const int row_A = (c * HV + hv) * kChunk, t0 = static_cast<int>(cs.start);
         if constexpr (kTma) {
-          if (threadIdx.x == kCompute) {
-            uint64_t* bar = bars + b;
-            mbar_arrive_expect_tx(bar, static_cast<uint32_t>(Sm::kSlab + Sm::kTok +
-                                                             Sm::kWarpgroups * Sm::kSlab));
-            tma_load_2d(Au, &a.tm_A, 0, row_A, bar);
-#pragma unroll
-            for (int j = 0; j < V / 64; ++j)
-              tma_load_3d(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0, bar);
-#pragma unroll
-            for (int j = 0; j < K / 64; ++j)
-              tma_load_3d(k_slabs(b) + j * Sm::kSlab, &a.tm_k, 64 * j, hk, t0, bar);
-          }
+          if (threadIdx.x == kCompute) tma_chunk(c, t0, b);
           cp_async_wait_all();
           mbar_wait(bars + b, ((c - c_first) >> 1) & 1);
           if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
@@ -434,19 +459,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         if constexpr (kTma) {
           cp_async_commit();
           const int t0 = static_cast<int>(cs.start);
-          if (threadIdx.x == kCompute) {
-            uint64_t* bar = bars + b;
-            mbar_arrive_expect_tx(bar, static_cast<uint32_t>(2 * Sm::kTok +
-                                                             Sm::kWarpgroups * Sm::kSlab));
-#pragma unroll
-            for (int j = 0; j < K / 64; ++j) {
-              tma_load_3d(k_slabs(b) + j * Sm::kSlab, &a.tm_k, 64 * j, hk, t0, bar);
-              tma_load_3d(w_slabs(b) + j * Sm::kSlab, &a.tm_w, 64 * j, hv, t0, bar);
-            }
-#pragma unroll
-            for (int j = 0; j < V / 64; ++j)
-              tma_load_3d(u_slabs(b) + j * Sm::kSlab, &a.tm_u, 64 * j, hv, t0, bar);
-          }
+          if (threadIdx.x == kCompute) tma_chunk(c, t0, b);
           cp_async_wait_all();
           mbar_wait(bars + b, ((c - c_first) >> 1) & 1);
           if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
@@ -467,17 +480,20 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           cp_async_wait_all();
         }
       }
+      if constexpr (kTma && kReplay)
+        if (threadIdx.x == kCompute && c < c_last)
+          tma_prefetch_chunk(c + 1, static_cast<int>(cs1.start));
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
     };
     // The chunk table entries of chunk c + 2 are loaded while chunk c + 1 is copied.
     ChunkSpan next = span(c_first + 1);
-    copy_chunk(c_first, 0, span(c_first));
+    copy_chunk(c_first, 0, span(c_first), next);
     for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
       __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c - 1
       if (c < c_last) {
         const ChunkSpan cs = next;
         next = span(c + 2);
-        copy_chunk(c + 1, b ^ 1, cs);
+        copy_chunk(c + 1, b ^ 1, cs, next);
       }
     }
     return;  // barrier 0 is not used after the last chunk opens
