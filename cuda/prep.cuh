@@ -11,8 +11,9 @@
 //   A_w = bf16(A diag(beta e^G r)),  A_u = bf16(A diag(beta))   (A rounded to bf16 first)
 //   w = A_w bf16(K_raw),  u = A_u bf16(V)   (4 k16 steps from zero, rounded to bf16)
 // the roundings and product order of the walks that make w, u on chip from the saved A
-// (walk_fwd_wg.cuh: the light forward's kOut and the light backward's kReplay), so theirs equal
-// prep's bit for bit (light == full). With bf16 inputs k and v arrive by cp.async as they are.
+// (walk_fwd_wg.cuh): the light backward's replay gets prep's w, u bit for bit (light == full),
+// and the light forward's walk the state walk's states (tests/test_cuda_fwd.py). With bf16
+// inputs k and v arrive by cp.async as they are.
 // prep runs 4 CTAs/SM (<= 128 registers, 52.8 KB shared each); solve_a at K = 128 runs 6
 // (<= 80 registers, 35.5 KB), latency-bound as it is (prep_min_ctas).
 //
