@@ -13,9 +13,9 @@ equal to state_walk on prep's w, u (w too: prep's w, u are what the replay makes
 values independent of their CTA order (seg_order), solve_a's A bitwise equal to prep's, the
 fused walk_output (w, u made from A on chip) against the separate cuda state_walk + output on
 prep's w, u (the final state bitwise equal; o bitwise without the L2 norm, within 6e-3 with
-it), and `gdn(backend="cuda")` against the float64
-reference (relative RMS <= 1e-2), on uneven documents (1, 63, 64, 65, 1000 tokens, empty documents, unused chunk
-capacity; and 1, 12288, 65, 1000), GVA (16, 48) and (2, 6), L2 norm on and off, initial state on
+it), and `gdn(backend="cuda")` against the float64 reference (relative RMS <= 1e-2), on uneven
+documents (1, 63, 64, 65, 1000 tokens, empty documents, unused chunk capacity; and 1, 12288, 65,
+1000), GVA (16, 48) and (2, 6), L2 norm on and off, initial state on
 and off, bf16 and f32 inputs, K = V = 128 and 64; the same under JAX_CAKE_GDN_POISON=1
 (subprocess) with every output finite; NaN in one document's q, k, v reaches no other document.
 """
