@@ -359,12 +359,19 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     // prefetch made kOut 0.78 -> 0.80-0.82 and kTapes 0.71 -> 0.73)
     auto copy_chunk = [&](int c, int b, const ChunkSpan cs, const ChunkSpan cs1) {
       float* r = rows(b);
-      if constexpr (kOut) {  // rows; A (into A_u), v (into the u slabs), q, k
-        const RowVector vecs[4] = {{r, a.G, HV, hv},
-                                   {r + kChunk, a.rstd, H, hk},
-                                   {r + 2 * kChunk, a.rstd_q, H, hk},
-                                   {r + 3 * kChunk, a.beta, HV, hv}};
-        cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+      if constexpr (kFromA) {  // rows; A (into A_u), v (into the u slabs), q (kOut), k; w, u
+        float* rb = r + (kOut ? 3 : 2) * kChunk;  // beta's row
+        if constexpr (kOut) {
+          const RowVector vecs[4] = {{r, a.G, HV, hv},
+                                     {r + kChunk, a.rstd, H, hk},
+                                     {r + 2 * kChunk, a.rstd_q, H, hk},
+                                     {rb, a.beta, HV, hv}};
+          cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+        } else {
+          const RowVector vecs[3] = {
+              {r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}, {rb, a.beta, HV, hv}};
+          cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
+        }
         cp_async_commit();
         unsigned char* Au = smem + Sm::oAu;
         unsigned char* Aw = smem + Sm::oAw;
@@ -376,7 +383,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
             const int t = threadIdx.x - kCompute;
             zero_slab_rows<kLoaders>(u_slabs(b), V / 64, cs.len, t);
-            zero_slab_rows<kLoaders>(q_slabs(b), K / 64, cs.len, t);
+            if constexpr (kOut) zero_slab_rows<kLoaders>(q_slabs(b), K / 64, cs.len, t);
             zero_slab_rows<kLoaders>(k_slabs(b), K / 64, cs.len, t);
           }
         } else {  // f32 q, k, v: rounded to bf16 on the way
@@ -387,70 +394,42 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
                                                     a.v + (cs.start * HV + hv) * V,
                                                     int64_t{HV} * V, max(cs.len, 1),
                                                     ScaleOne{});
-          copy_qk(a.q, q_slabs(b), cs.start, cs.len);
+          if constexpr (kOut) copy_qk(a.q, q_slabs(b), cs.start, cs.len);
           copy_qk(a.k, k_slabs(b), cs.start, cs.len);
           cp_async_wait_all();
         }
         producer_sync();  // rows, A, v, q, k
-        if (const int t = threadIdx.x - kCompute; t < kChunk) {  // token t's factors
-          const int last = max(cs.len - 1, 0);
-          r[4 * kChunk + t] = walk_decay(t, cs.len, r[last], r, a.rstd != nullptr ? r + kChunk
-                                                                                  : nullptr);
-          r[5 * kChunk + t] = exp_ftz(r[min(t, last)]);
-          r[2 * kChunk + t] = a.scale * (a.rstd_q != nullptr ? r[2 * kChunk + t] : 1.f);
-        }
-        scale_a(r, r + 3 * kChunk);
-        fence_proxy_async();
-        producer_sync();  // A_u, A_w (and zeroed rows) for the products
-        ut_product(Au, u_slabs(b));
-        wu_product(Aw, k_slabs(b), w_slabs(b), K);
-      } else if constexpr (kReplay) {  // rows; A (into A_u), v (into the u slabs), k; w, u
-        const RowVector vecs[3] = {{r, a.G, HV, hv},
-                                   {r + kChunk, a.rstd, H, hk},
-                                   {r + 2 * kChunk, a.beta, HV, hv}};
-        cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
-        cp_async_commit();
-        unsigned char* Au = smem + Sm::oAu;
-        unsigned char* Aw = smem + Sm::oAw;
-        const int row_A = (c * HV + hv) * kChunk, t0 = static_cast<int>(cs.start);
-        if constexpr (kTma) {
-          if (threadIdx.x == kCompute) tma_chunk(c, t0, b);
-          cp_async_wait_all();
-          mbar_wait(bars + b, ((c - c_first) >> 1) & 1);
-          if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
-            const int t = threadIdx.x - kCompute;
-            zero_slab_rows<kLoaders>(u_slabs(b), V / 64, cs.len, t);
-            zero_slab_rows<kLoaders>(k_slabs(b), K / 64, cs.len, t);
+        if constexpr (kOut) {
+          if (const int t = threadIdx.x - kCompute; t < kChunk) {  // token t's factors
+            const int last = max(cs.len - 1, 0);
+            r[4 * kChunk + t] = walk_decay(t, cs.len, r[last], r, a.rstd != nullptr ? r + kChunk
+                                                                                    : nullptr);
+            r[5 * kChunk + t] = exp_ftz(r[min(t, last)]);
+            r[2 * kChunk + t] = a.scale * (a.rstd_q != nullptr ? r[2 * kChunk + t] : 1.f);
           }
-        } else {  // f32 k, v: rounded to bf16 on the way
-          cp_async_tile_at<kChunk, kChunk, kLoaders, kCopyUnroll>(
-              slab_at<kChunk>(Au), a.A + static_cast<int64_t>(row_A) * kChunk, kChunk, kChunk);
-          cp_async_commit();
-          load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)),
-                                                    a.v + (cs.start * HV + hv) * V,
-                                                    int64_t{HV} * V, max(cs.len, 1),
-                                                    ScaleOne{});
-          copy_qk(a.k, k_slabs(b), cs.start, cs.len);
-          cp_async_wait_all();
         }
-        producer_sync();  // rows, A, v, k
-        scale_a(r, r + 2 * kChunk);
+        scale_a(r, rb);
         fence_proxy_async();
         producer_sync();  // A_u, A_w (and zeroed rows) for the products
-        // w = A_w k, u = A_u v: prep's products (4 k16 steps from zero), rounded to bf16
-        wu_product(Aw, k_slabs(b), w_slabs(b), K);
-        wu_product(Au, u_slabs(b), u_slabs(b), V);
-        producer_sync();  // every warp's part of w stored
-        {  // w's token rows to global (16-byte pieces)
-          using P = TilePieces<kChunk, K, kLoaders>;
-          const auto w_at = slab_at<kChunk>(w_slabs(b));
-          bf16* wg_out = a.w_out + (cs.start * HV + hv) * K;
+        if constexpr (kOut) {
+          ut_product(Au, u_slabs(b));
+          wu_product(Aw, k_slabs(b), w_slabs(b), K);
+        } else {
+          // w = A_w k, u = A_u v: prep's products (4 k16 steps from zero), rounded to bf16
+          wu_product(Aw, k_slabs(b), w_slabs(b), K);
+          wu_product(Au, u_slabs(b), u_slabs(b), V);
+          producer_sync();  // every warp's part of w stored
+          {  // w's token rows to global (16-byte pieces)
+            using P = TilePieces<kChunk, K, kLoaders>;
+            const auto w_at = slab_at<kChunk>(w_slabs(b));
+            bf16* wg_out = a.w_out + (cs.start * HV + hv) * K;
 #pragma unroll
-          for (int j = 0; j < P::kPer; ++j) {
-            const int t = P::row0() + j * P::kRowStep, c8 = P::col();
-            if (t < cs.len)
-              *reinterpret_cast<uint4*>(wg_out + t * int64_t{HV} * K + c8) =
-                  *reinterpret_cast<const uint4*>(w_at(t, c8));
+            for (int j = 0; j < P::kPer; ++j) {
+              const int t = P::row0() + j * P::kRowStep, c8 = P::col();
+              if (t < cs.len)
+                *reinterpret_cast<uint4*>(wg_out + t * int64_t{HV} * K + c8) =
+                    *reinterpret_cast<const uint4*>(w_at(t, c8));
+            }
           }
         }
       } else {  // tapes: rows; k, w, u
