@@ -22,6 +22,7 @@ Rows pair by name; a row the baseline lacks is timed for the current copy alone.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import sys
@@ -158,6 +159,13 @@ def primitive_calls(wl, backend: str, lib=None):
         ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk,
                                            ct)),
     ]
+    if "deterministic" in inspect.signature(P.chunk_bwd).parameters:
+        def cbwd_sum(q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct):
+            return P.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, dS_end, do, rq, rk, ct,
+                               scale=scale, deterministic=False)
+
+        calls.append(("bwd: chunk_bwd, atomic group sum", jax.jit(cbwd_sum),
+                      (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct)))
     if hasattr(P, "replay"):  # the light backward's replay (baselines before it lack it)
         calls.append(("bwd light: replay", jax.jit(P.replay), (k, v, beta, G, A, h0, rk, ct)))
     return calls

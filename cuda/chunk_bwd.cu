@@ -2,9 +2,11 @@
 //
 //   jax_cake_gdn_chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k,
 //                          chunk_start, chunk_len; scale)
-//       -> dQ f32[T, HV, K], dK f32[T, HV, K] (per value head, w.r.t. the normalised q / k: the
-//          caller does the GVA group sum and the L2-norm backward), dV [T, HV, V] in v's dtype,
-//          dg f32[T, HV], dbeta f32[T, HV]
+//       -> dQ, dK f32[T, HQ, K] (w.r.t. the normalised q / k: the caller applies the L2-norm
+//          backward): HQ = HV gives them per value head (the caller sums the GVA groups), HQ = H
+//          < HV has the kernel sum each group with f32 atomic adds into the zeroed outputs (the
+//          order of the adds varies from run to run: not bitwise deterministic);
+//          dV [T, HV, V] in v's dtype, dg f32[T, HV], dbeta f32[T, HV]
 //
 // q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
 // A bf16[NC, HV, 64, 64] (as prep stores it); h, dS_end bf16[NC, HV, K, V] (the walks' bf16
@@ -57,10 +59,14 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                 "h must be bf16[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
   JCG_CHECK_ARG(dims_are(dS_end.dimensions(), {NC, HV, K, V}),
                 "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end.dimensions()));
-  JCG_CHECK_ARG(dims_are(dQ->dimensions(), {T, HV, K}),
-                "dQ must be f32[T, HV, K], got shape " + dims_str(dQ->dimensions()));
-  JCG_CHECK_ARG(dims_are(dK->dimensions(), {T, HV, K}),
-                "dK must be f32[T, HV, K], got shape " + dims_str(dK->dimensions()));
+  const int64_t HQ = dQ->dimensions().size() == 3 ? dQ->dimensions()[1] : -1;
+  JCG_CHECK_ARG((HQ == HV || HQ == H) && dims_are(dQ->dimensions(), {T, HQ, K}),
+                "dQ must be f32[T, HV, K] or f32[T, H, K], got shape " +
+                    dims_str(dQ->dimensions()));
+  JCG_CHECK_ARG(dims_are(dK->dimensions(), {T, HQ, K}),
+                "dK must have dQ's shape " + dims_str(dQ->dimensions()) + ", got " +
+                    dims_str(dK->dimensions()));
+  const bool sum_groups = HQ < HV;
   JCG_CHECK_ARG(dims_are(dV->dimensions(), {T, HV, V}),
                 "dV must be [T, HV, V], got shape " + dims_str(dV->dimensions()));
   JCG_CHECK_ARG(dV->element_type() == v.element_type(),
@@ -69,8 +75,13 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   JCG_CHECK_MSG(check_th("dg", dg->dimensions(), T, HV));
   JCG_CHECK_MSG(check_th("dbeta", dbeta->dimensions(), T, HV));
 
-  JCG_CHECK_CUDA(poison(stream, *dQ));
-  JCG_CHECK_CUDA(poison(stream, *dK));
+  if (sum_groups) {  // the kernel adds every value head's rows into them
+    JCG_CHECK_CUDA(cudaMemsetAsync(dQ->untyped_data(), 0, dQ->size_bytes(), stream));
+    JCG_CHECK_CUDA(cudaMemsetAsync(dK->untyped_data(), 0, dK->size_bytes(), stream));
+  } else {
+    JCG_CHECK_CUDA(poison(stream, *dQ));
+    JCG_CHECK_CUDA(poison(stream, *dK));
+  }
   JCG_CHECK_CUDA(poison(stream, dV->untyped_data(), dV->size_bytes()));
   JCG_CHECK_CUDA(poison(stream, *dg));
   JCG_CHECK_CUDA(poison(stream, *dbeta));
@@ -96,7 +107,8 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                      chunk_start.typed_data(), chunk_len.typed_data(), dQ->typed_data(),
                      dK->typed_data(), static_cast<In*>(dV->untyped_data()), dg->typed_data(),
-                     dbeta->typed_data(), T, static_cast<int>(H), static_cast<int>(HV), scale);
+                     dbeta->typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
+                     sum_groups, scale);
       });
     });
   });

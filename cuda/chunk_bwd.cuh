@@ -34,7 +34,8 @@
 // xla chunk_bwd gives 2-3e-3 relative RMS on every output (splitting the A-chain operands into
 // bf16 hi + lo changed nothing that matters: the error comes from the K dS and vn dS^T products).
 // Per-row reductions (dG, dbeta, dG_C) go through per-tile partial arrays in shared memory and
-// are summed in a fixed order: the kernel is deterministic (no atomics).
+// are summed in a fixed order: the kernel is deterministic (no atomics) unless sum_groups asks it
+// to add dQ, dK over the GVA group itself (f32 atomic adds in the order the CTAs reach them).
 //
 // Where a stage has several blocks per warpgroup (K / 64 or V / 64 of them), their chains go out
 // as one batch before one wait (cb_batch), not block by block.
@@ -186,10 +187,10 @@ __device__ __forceinline__ int cb_col(int n0, int nt, int e) {
 }
 
 // Rows i < len of a tile to row(i) (a global row pointer, f32 or bf16; columns n0..), each
-// element times scale(i).
+// element times scale(i); add (f32 rows only): atomically added to what is there instead.
 template <typename Row, typename Scale>
 __device__ __forceinline__ void cb_store_rows(const float (&acc)[4][4], int len, int m0, int n0,
-                                              Row row, Scale scale) {
+                                              Row row, Scale scale, bool add = false) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int i = cb_row(m0, 2 * hf);
@@ -197,8 +198,16 @@ __device__ __forceinline__ void cb_store_rows(const float (&acc)[4][4], int len,
       auto* op = row(i);
       const float r = scale(i);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-        store2(op + cb_col(n0, nt, 0), r * acc[nt][2 * hf], r * acc[nt][2 * hf + 1]);
+      for (int nt = 0; nt < 4; ++nt) {
+        const float a = r * acc[nt][2 * hf], b = r * acc[nt][2 * hf + 1];
+        if constexpr (std::is_same_v<std::remove_pointer_t<decltype(op)>, float>) {
+          if (add) {
+            atomicAdd(reinterpret_cast<float2*>(op + cb_col(n0, nt, 0)), make_float2(a, b));
+            continue;
+          }
+        }
+        store2(op + cb_col(n0, nt, 0), a, b);
+      }
     }
   }
 }
@@ -248,7 +257,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                      float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
                      float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
-                     int HV, float scale) {
+                     int HV, bool sum_groups, float scale) {
   using Sm = ChunkBwdSmem<In, K, V>;
   constexpr int MP = Sm::MP;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -286,6 +295,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   const int hv = blockIdx.x % HV, c = blockIdx.x / HV;
   const int hk = hv / (HV / H);
+  // dQ, dK rows: per value head, or (sum_groups, H < HV) the group's sum by f32 atomic adds
+  const int dqk_heads = sum_groups ? H : HV, dqk_head = sum_groups ? hk : hv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
   const int len = cs.len;
@@ -462,8 +473,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       int m0, n0;
       cb_tile_pos(it, m0, n0);
       cb_store_rows(
-          acc[it], len, m0, n0, [&](int i) { return dQ + ((cs.start + i) * HV + hv) * K; },
-          [](int) { return 1.f; });
+          acc[it], len, m0, n0,
+          [&](int i) { return dQ + ((cs.start + i) * dqk_heads + dqk_head) * K; },
+          [](int) { return 1.f; }, sum_groups);
     }
   }
 
@@ -636,8 +648,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     int m0, n0;
     cb_tile_pos(it, m0, n0);
     cb_store_rows(
-        dk[it], len, m0, n0, [&](int i) { return dK + ((cs.start + i) * HV + hv) * K; },
-        [](int) { return 1.f; });
+        dk[it], len, m0, n0,
+        [&](int i) { return dK + ((cs.start + i) * dqk_heads + dqk_head) * K; },
+        [](int) { return 1.f; }, sum_groups);
   }
   if (tid < kChunk) {
     const int i = tid;

@@ -25,6 +25,7 @@ class _Config(NamedTuple):
     qk_l2norm: bool
     save_mode: str
     with_output: bool = True  # False: exit states only (the transfer walk of kcp/), o is [T, HV, 0]
+    deterministic: bool = True  # False: chunk_bwd may sum dq, dk with atomic adds
 
 
 def _name(res: dict) -> dict:
@@ -73,7 +74,8 @@ def _backward(cfg: _Config, residuals, cts):
         scores = None
     dS_end, dh0 = P.walk_bwd(q, k, w, G, do, dfinal, scores, rq, rk, ct, scale=cfg.scale)
     dq, dk, dv, dg, dbeta = P.chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do,
-                                        rq, rk, ct, scale=cfg.scale)
+                                        rq, rk, ct, scale=cfg.scale,
+                                        deterministic=cfg.deterministic)
     return dq, dk, dv, dg, dbeta, dh0, None
 
 
@@ -189,10 +191,15 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         rounding, not bit for bit) and is the faster forward; its backward replays w, u and
         the walk in one kernel, so both modes' fwd+bwd cost about the same (B23 on an H200,
         2026-12-01: fwd 1.49 vs 2.72 ms, fwd+bwd 7.66 vs 7.65 ms).
-      deterministic: ask for bitwise-reproducible gradients. Every primitive of both backends is
-        deterministic today (fixed reduction order; the CUDA kernels use no atomics), so both
-        values behave the same: repeated runs with the same shapes on the same device give
-        bitwise-equal outputs and gradients.
+      deterministic: True: bitwise-reproducible gradients (every sum in a fixed order): repeated
+        runs with the same shapes on the same device give bitwise-equal outputs and gradients,
+        and the two save modes bitwise-equal gradients. False (default): on the cuda backend
+        with GVA (H < HV) the backward kernel sums dq and dk over each group of value heads
+        with f32 atomic adds, whose order varies, so dq and dk can differ in their last bits
+        from run to run and between save modes (every other output and gradient is still
+        bitwise reproducible). Its f32 dq, dk hand-off is H/HV the size of the fixed-order
+        one's: less memory, the same speed (B23 on an H200: fwd+bwd peak 4.24 vs 5.24 GiB,
+        7.37 vs 7.40 ms). The xla backend is deterministic either way.
       backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
         "cuda". Under "cuda" every primitive of the forward and the backward is a CUDA kernel
         (`primitives.CUDA_KERNELS`; the GVA group sum and L2-norm backward of dq/dk too); the
@@ -209,9 +216,9 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
     Returns:
       o [B, T, HV, V] in v's dtype, or (o, final_state) when output_final_state.
     """
-    del deterministic  # every primitive available today is deterministic
     d, cfg, args = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
                           save_mode, backend)
+    cfg = cfg._replace(deterministic=bool(deterministic))
     g, beta = apply_options(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                             dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                             allow_neg_eigval=allow_neg_eigval)

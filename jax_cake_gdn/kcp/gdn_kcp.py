@@ -106,9 +106,9 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     save_transfer: keep the transfer walk's residuals and the received summaries (default True
       for a2a, False for ring; ring with True is an error). False replays them in the backward.
     segments: P, the units per piece (default: `plan_kcp`).
-    deterministic: every primitive of both backends is deterministic and the exchanges only move
-      data; both values behave alike. (The gradients of a replicated A_log / dt_bias are summed
-      over the ranks by JAX's all-reduce, whose order is NCCL's.)
+    deterministic: as in `gdn` (False lets the cuda backward sum dq, dk over each GVA group with
+      atomic adds); the exchanges only move data. (The gradients of a replicated A_log / dt_bias
+      are summed over the ranks by JAX's all-reduce, whose order is NCCL's.)
     use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: FLA's gate
       options, as in `gdn` (g, beta are then this rank's raw inputs; A_log, dt_bias [HV] float32
       are replicated, and their gradients are summed over the ranks). Computed in jax.numpy
@@ -116,7 +116,6 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
       work.
     No initial/final state: documents start from zero.
     """
-    del deterministic
     W = axis_size(axis_name)
     if exchange not in ex.EXCHANGES:
         raise ValueError(f"exchange must be one of {ex.EXCHANGES}, got {exchange!r}")
@@ -138,7 +137,7 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     P = plan_kcp(T_l, d.HV, layout=layout, num_ranks=W, num_docs=N, segments=segments).P
     cfg = _Config(primitives.resolve(backend, K=d.K, V=d.V),
                   float(d.K**-0.5 if scale is None else scale),
-                  bool(qk_l2norm), save_mode)
+                  bool(qk_l2norm), save_mode, deterministic=bool(deterministic))
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
     r = jax.lax.axis_index(axis_name)
     pieces = rank_pieces(layout, cu, r, W, T_g)

@@ -25,7 +25,9 @@ one bf16 rounding.
 
 The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
 ones (and needs neither w nor u): both save modes must give bitwise-equal gradients, and the
-light mode has no scores to read.
+light mode has no scores to read. chunk_bwd(..., deterministic=False) lets the cuda kernel sum
+dq, dk over each GVA group with atomic adds (run-to-run differences in the last bits); the xla
+one sums in a fixed order either way.
 """
 
 from __future__ import annotations
@@ -84,10 +86,10 @@ def _cuda_primitives() -> Primitives:
                              ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order, scale=scale)
 
     def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do, rstd_q, rstd_k, ct, *,
-                  scale):
+                  scale, deterministic=True):
         del w, u, scores  # w, u enter only via h, v_new; Att is recomputed (module docstring)
         return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, ct.start,
-                              ct.length, scale=scale)
+                              ct.length, scale=scale, deterministic=deterministic)
 
     return XLA._replace(
         name="cuda",

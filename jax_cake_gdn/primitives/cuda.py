@@ -606,7 +606,7 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
 
 
 def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_start, chunk_len,
-              *, scale: float):
+              *, scale: float, deterministic: bool = True):
     """Everything after the reverse walk, parallel over (chunk, value head) (xla.chunk_bwd with
     the chunk table as arrays; w, u and the saved scores are not needed: Att is recomputed).
 
@@ -619,8 +619,12 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     None. h, v_new and dS_end enter every product as bf16 operands and e^{G_C} sum(dS_end o h)
     (dg) sums their bf16 values in f32.
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
-    The kernel gives per-value-head dq, dk w.r.t. the normalised q, k; `l2norm_bwd` (a second
-    kernel) sums the GVA groups and applies the L2-norm backward.
+    The kernel gives dq, dk w.r.t. the normalised q, k and `l2norm_bwd` (a second kernel) applies
+    the L2-norm backward. deterministic=True: the kernel writes them per value head (f32[T, HV,
+    K]) and `l2norm_bwd` sums each GVA group in a fixed order. deterministic=False with H < HV:
+    the kernel adds the value heads of a group into f32[T, H, K] itself (atomic adds in the order
+    the CTAs reach them: dq, dk can differ in the last bits from run to run; an f32 hand-off H/HV
+    the size).
     """
     fn = "chunk_bwd"
     q, k = _qk(fn, q, k)
@@ -645,8 +649,9 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     f32 = jnp.float32
+    HQ = HV if deterministic else H  # the kernel sums the groups when HQ = H < HV
     dQ, dK, dv, dg, dbeta = _call(
-        fn, [((T, HV, K), f32), ((T, HV, K), f32), ((T, HV, V), v.dtype), ((T, HV), f32),
+        fn, [((T, HQ, K), f32), ((T, HQ, K), f32), ((T, HV, V), v.dtype), ((T, HV), f32),
              ((T, HV), f32)],
         q, k, v, beta, G, A, h, v_new, dS_end, do, rq, rk, cs, cl, scale=np.float32(scale))
     return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta

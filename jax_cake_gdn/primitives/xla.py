@@ -251,11 +251,13 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct: ChunkTable, *, 
 
 
 def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do, rstd_q, rstd_k,
-              ct: ChunkTable, *, scale: float):
+              ct: ChunkTable, *, scale: float, deterministic: bool = True):
     """Everything after the reverse walk, parallel over chunks.
 
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) [T, HV] f32.
+    deterministic: accepted for the primitive signature; every sum here has a fixed order.
     """
+    del deterministic
     HV = v.shape[1]
     H = q.shape[1]
     gt = _gates(G, ct)
