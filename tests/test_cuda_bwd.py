@@ -264,6 +264,19 @@ def test_cuda_gradient_uses_the_backward_kernels(save_mode):
     assert "stablehlo.while" in _lower_cuda(_grad_fn("xla", save_mode), *args)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gdn_deterministic_picks_the_group_sum(deterministic):
+    """gdn(deterministic=...) reaches the chunk_bwd custom call: True gives per-value-head f32 dq, dk
+    (fixed-order group sum in l2norm_bwd), False the kernel's own atomic sum into [T, H, K]."""
+    need_ext()
+    T, H, HV, K = 300, 2, 6, 128
+    hlo = _lower_cuda(_grad_fn("cuda", "light", deterministic), *_abstract_gdn(T, H, HV, K))
+    calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_chunk_bwd" in ln]
+    assert len(calls) == 1, hlo
+    hq = HV if deterministic else H
+    assert f"-> (tensor<{T}x{hq}x{K}xf32>, tensor<{T}x{hq}x{K}xf32>, " in calls[0], calls[0]
+
+
 @pytest.mark.parametrize("save_mode", ["light", "full"])
 def test_saved_layout_on_cuda_keeps_bf16_intermediates(save_mode):
     """saved_layout(backend="cuda") equals the residuals JAX keeps for gdn(backend="cuda") (traced
