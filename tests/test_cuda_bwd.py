@@ -552,7 +552,9 @@ _POISON_CHECK = textwrap.dedent("""
         for key in ("cuda", "cuda_sc", "cuda_scc"):
             for a in out[key]:  # dS_end (bf16), dh0
                 assert np.isfinite(np.asarray(a, np.float32)).all(), (name, key)
-        # chunk_bwd: every token row of dq, dk, dv, dg, dbeta written (unused chunks write none)
+        # chunk_bwd: every token row of dq, dk, dv, dg, dbeta written (unused chunks write none);
+        # cuda_sum's dq, dk start from zeros the kernel adds into, so for them this checks only
+        # that nothing non-finite is added (their rows are the per-head path's, checked in "cuda")
         pairs = chunk_bwd_pairs(inp, l2)
         for key in ("cuda", "cuda_sum"):
             for i, a in enumerate(pairs[key]):
