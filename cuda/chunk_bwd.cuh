@@ -37,8 +37,9 @@
 // are summed in a fixed order: the kernel is deterministic (no atomics) unless sum_groups asks it
 // to add dQ, dK over the GVA group itself (f32 atomic adds in the order the CTAs reach them).
 //
-// Where a stage has several blocks per warpgroup (K / 64 or V / 64 of them), their chains go out
-// as one batch before one wait (cb_batch), not block by block.
+// Where a stage's result is 64 x 128, each warpgroup's two adjacent 64 x 32 blocks go out as one
+// m64n64 chain (half the A-operand reads from shared memory of two m64n32 chains), and a stage's
+// chains go out as one batch before one wait (cb_batch).
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
 // dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 207 KiB, 1 CTA /
 // SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
@@ -100,17 +101,19 @@ __device__ __forceinline__ float (&cb_flat(float (&acc)[4][4]))[16] {
   return reinterpret_cast<float(&)[16]>(acc);
 }
 
-// acc (the 64 x 32 block at columns n0 of a 64 x N result; warp wq of the warpgroup holds rows
-// 16 wq.., the layout of the former 16 x 32 warp tile at m0 = 16 wq) += op(A) op(B), reduction
-// length KD, as one m64n32 wgmma chain per warpgroup: issues only (cb_begin before, cb_end
-// after; all four warps of the warpgroup call it). AT = false: A stored [64][KD] (K-major slabs
-// of 64 rows); AT = true: A stored [KD][64] (A = M^T: one MN-major slab of KD rows). BT = false:
-// B stored [KD][N] (MN-major slabs of KD rows); BT = true: B stored [N][KD] (B = M^T: K-major
-// slabs of BR rows, the tile's N).
-template <int KD, bool AT, bool BT, int BR = kChunk>
-__device__ __forceinline__ void cb_mma(float (&acc)[4][4], const unsigned char* a,
+// acc (NB adjacent 64 x 32 blocks at columns n0.. of a 64 x N result; warp wq of the warpgroup
+// holds rows 16 wq.., the layout of the former 16 x 32 warp tile at m0 = 16 wq) += op(A) op(B),
+// reduction length KD, as one m64n(32 NB) wgmma chain per warpgroup (the NB blocks' 16 NB floats
+// in a row are that instruction's accumulator): issues only (cb_begin before, cb_end after; all
+// four warps of the warpgroup call it). AT = false: A stored [64][KD] (K-major slabs of 64
+// rows); AT = true: A stored [KD][64] (A = M^T: one MN-major slab of KD rows). BT = false: B
+// stored [KD][N] (MN-major slabs of KD rows); BT = true: B stored [N][KD] (B = M^T: K-major
+// slabs of BR rows, the tile's N). NB = 2 needs n0 % 64 == 0 (one slab column).
+template <int KD, bool AT, bool BT, int BR = kChunk, int NB>
+__device__ __forceinline__ void cb_mma(float (&acc)[NB][4][4], const unsigned char* a,
                                        const unsigned char* b, int n0) {
-  float(&d)[16] = cb_flat(acc);
+  static_assert(NB == 1 || NB == 2, "cb_mma: one or two 64 x 32 blocks");
+  float(&d)[16 * NB] = reinterpret_cast<float(&)[16 * NB]>(acc);
 #pragma unroll
   for (int ks = 0; ks < KD / 16; ++ks) {
     const uint64_t da = AT ? sw128_desc(a + 2048 * ks, KD * 128)
@@ -118,8 +121,13 @@ __device__ __forceinline__ void cb_mma(float (&acc)[4][4], const unsigned char* 
     const uint64_t db =
         BT ? sw128_desc(b + (ks / 4) * (BR * 128) + 128 * n0 + 32 * (ks % 4))
            : sw128_desc(b + (n0 / 64) * (KD * 128) + 2 * (n0 % 64) + 2048 * ks, KD * 128);
-    wgmma_m64k16_ss<32, AT, !BT, 1>(d, da, db, true);
+    wgmma_m64k16_ss<32 * NB, AT, !BT, 1>(d, da, db, true);
   }
+}
+template <int KD, bool AT, bool BT, int BR = kChunk>
+__device__ __forceinline__ void cb_mma(float (&acc)[4][4], const unsigned char* a,
+                                       const unsigned char* b, int n0) {
+  cb_mma<KD, AT, BT, BR, 1>(reinterpret_cast<float(&)[1][4][4]>(acc), a, b, n0);
 }
 
 // Before a batch of cb_mma: order the accumulators' register writes before the wgmmas.
@@ -155,26 +163,26 @@ __device__ __forceinline__ void cb_end_all(float (&... acc)[N][4][4]) {
   (cb_fence_blocks(acc), ...);
 }
 
-// Block i of this warp in a 64 x N result: rows m0 = 16 (warp % 4).., columns n0.. (N / 64
-// blocks per warp; the four warps of a warpgroup share n0).
+// Block i (of NB = N / 64) of this warp in a 64 x N result: rows m0 = 16 (warp % 4).., columns
+// n0.. (the four warps of a warpgroup share n0; warpgroup w holds columns 32 NB w.. to 32 NB (w +
+// 1), so its NB blocks are adjacent: one m64n(32 NB) chain).
+template <int NB>
 __device__ __forceinline__ void cb_tile_pos(int i, int& m0, int& n0) {
-  const int t = (threadIdx.x >> 5) + kCbWarps * i;
-  m0 = 16 * (t & 3);
-  n0 = 32 * (t >> 2);
+  const int w = threadIdx.x >> 5;
+  m0 = 16 * (w & 3);
+  n0 = 32 * (NB * (w >> 2) + i);
 }
 
-// One batch: issue(it, n0) puts the chains of block it (columns n0..) of every accumulator array
-// in flight, for each of this warp's N blocks, between one fence and one wait.
+// One batch: issue(n0) puts the chains of this warpgroup's blocks (columns n0.., N / 64 adjacent
+// 64 x 32 blocks of every accumulator array) in flight between one fence and one wait.
 template <int N, int... M, typename Issue>
 __device__ __forceinline__ void cb_batch(Issue&& issue, float (&acc)[N][4][4],
                                          float (&... more)[M][4][4]) {
+  static_assert(((M == N) && ...), "cb_batch: arrays of one result width");
   cb_begin_all(acc, more...);
-#pragma unroll
-  for (int it = 0; it < N; ++it) {
-    int m0, n0;
-    cb_tile_pos(it, m0, n0);
-    issue(it, n0);
-  }
+  int m0, n0;
+  cb_tile_pos<N>(0, m0, n0);
+  issue(n0);
   cb_end_all(acc, more...);
 }
 
@@ -185,6 +193,7 @@ __device__ __forceinline__ int cb_row(int m0, int e) {
 __device__ __forceinline__ int cb_col(int n0, int nt, int e) {
   return n0 + 8 * nt + 2 * (threadIdx.x & 3) + (e & 1);
 }
+
 
 // Rows i < len of a tile to row(i) (a global row pointer, f32 or bf16; columns n0..), each
 // element times scale(i); add (f32 rows only): atomically added to what is there instead.
@@ -370,7 +379,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   // ---- stage 1: Att (bf16, for Att^T dO), datt -> M = datt o Att (f32), dGam (bf16)
   {
     int m0, n0;
-    cb_tile_pos(0, m0, n0);
+    cb_tile_pos<1>(0, m0, n0);
     float att[4][4], dd[4][4];
     zero_acc(att);
     zero_acc(dd);
@@ -427,15 +436,15 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       zero_acc(a2[it]);
     }
     cb_batch(
-        [&](int it, int n0) {
-          cb_mma<K, false, false>(a1[it], Ks, DSs, n0);
-          cb_mma<kChunk, true, false>(a2[it], Att, DOs, n0);
+        [&](int n0) {
+          cb_mma<K, false, false>(a1, Ks, DSs, n0);
+          cb_mma<kChunk, true, false>(a2, Att, DOs, n0);
         },
         a1, a2);
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) {
       int m0, n0;
-      cb_tile_pos(it, m0, n0);
+      cb_tile_pos<V / 64>(it, m0, n0);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -455,11 +464,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[K / 64][4][4];
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    cb_batch([&](int it, int n0) { cb_mma<V, false, true, K>(acc[it], DOs, Hs, n0); }, acc);
+    cb_batch([&](int n0) { cb_mma<V, false, true, K>(acc, DOs, Hs, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
-      cb_tile_pos(it, m0, n0);
+      cb_tile_pos<K / 64>(it, m0, n0);
       cb_row_sums(pa, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
         const float eg = exp_ftz(sG[i]);
         const float dqg = scale * acc[it][nt][e];
@@ -467,11 +476,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         acc[it][nt][e] = dqg * eg;
       });
     }
-    cb_batch([&](int it, int n0) { cb_mma<kChunk, false, false>(acc[it], DGm, Ks, n0); }, acc);
+    cb_batch([&](int n0) { cb_mma<kChunk, false, false>(acc, DGm, Ks, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
-      cb_tile_pos(it, m0, n0);
+      cb_tile_pos<K / 64>(it, m0, n0);
       cb_store_rows(
           acc[it], len, m0, n0,
           [&](int i) { return dQ + ((cs.start + i) * dqk_heads + dqk_head) * K; },
@@ -483,18 +492,18 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   float dk[K / 64][4][4];
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) zero_acc(dk[it]);
-  cb_batch([&](int it, int n0) { cb_mma<V, false, true, K>(dk[it], VNs, DSs, n0); }, dk);
+  cb_batch([&](int n0) { cb_mma<V, false, true, K>(dk, VNs, DSs, n0); }, dk);
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
-    cb_tile_pos(it, m0, n0);
+    cb_tile_pos<K / 64>(it, m0, n0);
     cb_row_sums(pb, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
       const float dec = exp_ftz(GC - sG[i]);
       s += dk[it][nt][e] * cb_bf(at64(Ks, i, j)) * dec;
       dk[it][nt][e] *= dec;
     });
   }
-  cb_batch([&](int it, int n0) { cb_mma<kChunk, true, false>(dk[it], DGm, Qs, n0); }, dk);
+  cb_batch([&](int n0) { cb_mma<kChunk, true, false>(dk, DGm, Qs, n0); }, dk);
   fence_proxy_async();
   __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
 
@@ -506,11 +515,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[K / 64][4][4];
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    cb_batch([&](int it, int n0) { cb_mma<V, false, true, K>(acc[it], Du, Hs, n0); }, acc);
+    cb_batch([&](int n0) { cb_mma<V, false, true, K>(acc, Du, Hs, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
-      cb_tile_pos(it, m0, n0);
+      cb_tile_pos<K / 64>(it, m0, n0);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
@@ -528,7 +537,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   //               dV = diag(beta) A^T du (global); dbK = A^T dw -> dK
   {
     int m0, n0;
-    cb_tile_pos(0, m0, n0);
+    cb_tile_pos<1>(0, m0, n0);
     float a1[4][4], a2[4][4];
     zero_acc(a1);
     zero_acc(a2);
@@ -553,11 +562,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[V / 64][4][4];
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) zero_acc(acc[it]);
-    cb_batch([&](int it, int n0) { cb_mma<kChunk, true, false>(acc[it], As, Du, n0); }, acc);
+    cb_batch([&](int n0) { cb_mma<kChunk, true, false>(acc, As, Du, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) {
       int m0, n0;
-      cb_tile_pos(it, m0, n0);
+      cb_tile_pos<V / 64>(it, m0, n0);
       cb_row_sums(pc, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
         s += acc[it][nt][e] * cb_bf(at64(Vs, i, j));
       });
@@ -570,11 +579,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[K / 64][4][4];
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    cb_batch([&](int it, int n0) { cb_mma<kChunk, true, false>(acc[it], As, Dw, n0); }, acc);
+    cb_batch([&](int n0) { cb_mma<kChunk, true, false>(acc, As, Dw, n0); }, acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
-      cb_tile_pos(it, m0, n0);
+      cb_tile_pos<K / 64>(it, m0, n0);
       cb_row_sums(pd, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
         s += acc[it][nt][e] * cb_bf(at64(Ks, i, j));
         dk[it][nt][e] += sB[i] * exp_ftz(sG[i]) * acc[it][nt][e];
@@ -587,7 +596,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   // ---- stage 7: X = A^T dA (bf16)
   {
     int m0, n0;
-    cb_tile_pos(0, m0, n0);
+    cb_tile_pos<1>(0, m0, n0);
     float acc[4][4];
     zero_acc(acc);
     cb_begin(acc);
@@ -607,7 +616,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   //               M += diag(beta) N (same thread, same elements as stage 1), rowsum(N), dKK
   {
     int m0, n0;
-    cb_tile_pos(0, m0, n0);
+    cb_tile_pos<1>(0, m0, n0);
     float acc[4][4], kk[4][4];
     zero_acc(acc);
     zero_acc(kk);
@@ -638,15 +647,15 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   // ---- stage 9: dK += dKK K + dKK^T K (global); per-row reductions
   cb_batch(
-      [&](int it, int n0) {
-        cb_mma<kChunk, false, false>(dk[it], DKK, Ks, n0);
-        cb_mma<kChunk, true, false>(dk[it], DKK, Ks, n0);
+      [&](int n0) {
+        cb_mma<kChunk, false, false>(dk, DKK, Ks, n0);
+        cb_mma<kChunk, true, false>(dk, DKK, Ks, n0);
       },
       dk);
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) {
     int m0, n0;
-    cb_tile_pos(it, m0, n0);
+    cb_tile_pos<K / 64>(it, m0, n0);
     cb_store_rows(
         dk[it], len, m0, n0,
         [&](int i) { return dK + ((cs.start + i) * dqk_heads + dqk_head) * K; },
