@@ -22,14 +22,14 @@
 //   dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h);   dg_t = dG_C + sum_{t <= i < len} dG_i
 //
 // Every product runs on Hopper wgmma (wgmma.cuh, bf16 operands from 128-byte swizzled slabs, f32
-// accumulate): one generic block (64 x 32 of a 64 x N result, N in {64, K, V}: one m64n32 chain
-// per warpgroup, the two warpgroups taking column blocks 32 wg, 32 wg + 64, ...) in any of the
-// four transposition layouts; each accumulator element sees the k16 steps of the former mma.sync
-// warp tile in the same order from zero, so every output is expected bit for bit equal to that
-// kernel's. f32 intermediates (dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when they
-// become operands. A, h, dS_end and vn arrive in bf16 (the walks round them when they write them,
-// to the values this kernel rounded them to itself before) and go straight into their tiles by
-// cp.async; e^{G_C} sum(dS o h), their only other use, sums these bf16 values in f32. A CPU
+// accumulate): one generic block (64 x 32 of a 64 x N result, N in {64, K, V}; warpgroup wg
+// takes the N / 64 adjacent blocks at columns 32 (N / 64) wg.., one m64n(N / 2) chain) in any
+// of the four transposition layouts; each accumulator element sees the k16 steps of the former
+// mma.sync warp tile in the same order from zero, so every output is expected bit for bit equal
+// to that kernel's. f32 intermediates (dvn, dw, dA, A^T dA, dKK) are rounded to bf16 once, when
+// they become operands. A, h, dS_end and vn arrive in bf16 (the walks round them when they write
+// them, to the values this kernel rounded them to itself before) and go straight into their tiles
+// by cp.async; e^{G_C} sum(dS o h), their only other use, sums these bf16 values in f32. A CPU
 // emulation of exactly these roundings (before v5: with that sum in f32 h, dS) against the f32
 // xla chunk_bwd gives 2-3e-3 relative RMS on every output (splitting the A-chain operands into
 // bf16 hi + lo changed nothing that matters: the error comes from the K dS and vn dS^T products).
@@ -37,9 +37,9 @@
 // are summed in a fixed order: the kernel is deterministic (no atomics) unless sum_groups asks it
 // to add dQ, dK over the GVA group itself (f32 atomic adds in the order the CTAs reach them).
 //
-// Where a stage's result is 64 x 128, each warpgroup's two adjacent 64 x 32 blocks go out as one
-// m64n64 chain (half the A-operand reads from shared memory of two m64n32 chains), and a stage's
-// chains go out as one batch before one wait (cb_batch).
+// Where a stage's result is 64 x 128, each warpgroup's two blocks thus go out as one m64n64 chain
+// (half the A-operand reads from shared memory of two m64n32 chains), and a stage's chains go out
+// as one batch before one wait (cb_batch).
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
 // dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 207 KiB, 1 CTA /
 // SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
