@@ -190,7 +190,10 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         kernel (walk_output; none of w, u, h reaches HBM; its o agrees with full's to bf16
         rounding, not bit for bit) and is the faster forward; its backward replays w, u and
         the walk in one kernel, so both modes' fwd+bwd cost about the same (B23 on an H200,
-        2026-12-01: fwd 1.49 vs 2.72 ms, fwd+bwd 7.66 vs 7.65 ms).
+        2026-12-01: fwd 1.49 vs 2.72 ms, fwd+bwd 7.66 vs 7.65 ms). With few (segment, head)
+        walk chains for the GPU's SMs (a long single document, few heads) that extra walk
+        shows and "full" has the faster fwd+bwd (one 65536-token document, heads (16, 48):
+        17.9 vs 20.7 ms).
       deterministic: True: bitwise-reproducible gradients (every sum in a fixed order): repeated
         runs with the same shapes on the same device give bitwise-equal outputs and gradients,
         and the two save modes bitwise-equal gradients. False (default): on the cuda backend
