@@ -264,6 +264,35 @@ def test_cuda_gradient_uses_the_backward_kernels(save_mode):
     assert "stablehlo.while" in _lower_cuda(_grad_fn("xla", save_mode), *args)
 
 
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+def test_checkpoint_recomputes_only_what_the_backward_keeps(save_mode):
+    """Under jax.checkpoint the backward recomputes the forward only up to the saved set: light
+    runs gate_cumsum, l2norm_rstd and solve_a again but not the walk (walk_output, which makes
+    no residual, runs once, for o), which keeps light's ckpt near its fwd+bwd (README); full
+    needs its state walk and output (the h tape, the scores) again."""
+    need_ext()
+
+    def loss(q, k, v, g, beta, h0, cu):
+        def layer(q, k, v, g, beta, h0):
+            return gdn(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=True, initial_state=h0,
+                       output_final_state=True, save_mode=save_mode, backend="cuda")
+        o, fin = jax.checkpoint(layer)(q, k, v, g, beta, h0)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(fin)
+
+    hlo = _lower_cuda(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5)), *_abstract_gdn())
+
+    def calls(name):
+        return len(re.findall(rf"custom_call @jax_cake_gdn_{name}\b", hlo))
+
+    assert calls("gate_cumsum") == 2 and calls("l2norm_rstd") == 4, hlo
+    if save_mode == "light":
+        assert (calls("solve_a"), calls("walk_output"), calls("replay")) == (2, 1, 1)
+        assert calls("state_walk") == calls("prep") == 0
+    else:
+        assert (calls("prep"), calls("state_walk"), calls("output")) == (2, 2, 2)
+        assert calls("walk_output") == calls("replay") == 0
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_gdn_deterministic_picks_the_group_sum(deterministic):
     """gdn(deterministic=...) reaches the chunk_bwd custom call: True gives per-value-head f32 dq, dk
