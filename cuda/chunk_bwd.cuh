@@ -194,7 +194,6 @@ __device__ __forceinline__ int cb_col(int n0, int nt, int e) {
   return n0 + 8 * nt + 2 * (threadIdx.x & 3) + (e & 1);
 }
 
-
 // Rows i < len of a tile to row(i) (a global row pointer, f32 or bf16; columns n0..), each
 // element times scale(i); add (f32 rows only): atomically added to what is there instead.
 template <typename Row, typename Scale>
