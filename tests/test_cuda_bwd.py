@@ -4,8 +4,9 @@ primitive set.
 CPU host: the wrappers lower for the cuda platform to their custom calls (walk_bwd: scores given,
 or an f32[1] placeholder when recomputed, dS_end returned as bf16; chunk_bwd: rstd or f32[1]
 placeholders, h and dS_end taken as bf16); the gradient of gdn(backend="cuda") calls both kernels
-once and has no while loop; saved_layout on the cuda backend reports the bf16 h tape of full mode
-and equals what JAX keeps; bad inputs raise ValueError naming the argument.
+once and has no while loop; under jax.checkpoint its backward recomputes the forward only as far
+as the saved set (light: not the walk); saved_layout on the cuda backend reports the bf16 h tape
+of full mode and equals what JAX keeps; bad inputs raise ValueError naming the argument.
 GPU host: cuda walk_bwd against xla walk_bwd on identical inputs (made by the xla forward
 primitives) on uneven documents (1, 0, 63, 64, 65, 0, 1000 tokens; 4 unused chunk slots), GVA
 (16, 48) and (2, 6), L2 norm on and off, scores None and given, bf16 and f32, K/V 128 and 64
