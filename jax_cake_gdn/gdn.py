@@ -185,8 +185,9 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
       save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays w, u
         and the state walk in the backward; "full" also keeps w, u, the h tape, v_new and the
         intra-chunk scores (bfloat16 on the cuda backend, float32 on xla; see
-        `saved_layout`). Both give bitwise-equal gradients. On the cuda backend the
-        light forward makes A alone (solve_a) and runs w, u, the walk and the output as one
+        `saved_layout`). Both give bitwise-equal gradients (with deterministic=True; see
+        deterministic). On the cuda backend the light forward makes A alone (solve_a) and
+        runs w, u, the walk and the output as one
         kernel (walk_output; none of w, u, h reaches HBM; its o agrees with full's to bf16
         rounding, not bit for bit) and is the faster forward; its backward replays w, u and
         the walk in one kernel, so both modes' fwd+bwd cost about the same (B23 on an H200,

@@ -101,8 +101,9 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
 
     layout: "contiguous" | "zigzag" | "doc_zigzag" (every document a multiple of 2W tokens).
     exchange: "a2a" (all_to_all to a chain owner and back) | "ring" (ppermute chain).
-    save_mode: "light" | "full" as in `gdn` (bitwise-equal gradients). In "full", the units'
-      transfer matrices M_seg are kept whenever P > 1, in either save_transfer form.
+    save_mode: "light" | "full" as in `gdn` (bitwise-equal gradients with deterministic=True). In
+      "full", the units' transfer matrices M_seg are kept whenever P > 1, in either
+      save_transfer form.
     save_transfer: keep the transfer walk's residuals and the received summaries (default True
       for a2a, False for ring; ring with True is an error). False replays them in the backward.
     segments: P, the units per piece (default: `plan_kcp`).
