@@ -52,7 +52,8 @@
 //   the slabs: prep's mma.sync products, so kReplay's w, u are prep's bit for bit)
 // kOut takes u transposed (u^T = V^T A_u^T: the same sums, operand roles swapped). v lands in
 // the u slabs (each 64-column block of u or u^T overwrites the v columns it read) and k in its
-// own slabs (the compute warps read it as they are). kReplay writes w's token rows for walk_bwd.
+// own slabs (the compute warps read it as they are). kReplay writes w's token rows for walk_bwd
+// (the compute warps copy them out of the w slab while product 1 runs).
 // Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut, kReplay: 88, for its
 // 32-register wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at
 // launch, compute 224, kOut and kReplay 208; kTapes at V = 64: 2 CTAs per SM, 128 at launch,
@@ -415,22 +416,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           ut_product(Au, u_slabs(b));
           wu_product(Aw, k_slabs(b), w_slabs(b), K);
         } else {
-          // w = A_w k, u = A_u v: prep's products (4 k16 steps from zero), rounded to bf16
+          // w = A_w k, u = A_u v: prep's products (4 k16 steps from zero), rounded to bf16 (the
+          // compute warps copy w's rows out during the chunk: they wait for this warpgroup)
           wu_product(Aw, k_slabs(b), w_slabs(b), K);
           wu_product(Au, u_slabs(b), u_slabs(b), V);
-          producer_sync();  // every warp's part of w stored
-          {  // w's token rows to global (16-byte pieces)
-            using P = TilePieces<kChunk, K, kLoaders>;
-            const auto w_at = slab_at<kChunk>(w_slabs(b));
-            bf16* wg_out = a.w_out + (cs.start * HV + hv) * K;
-#pragma unroll
-            for (int j = 0; j < P::kPer; ++j) {
-              const int t = P::row0() + j * P::kRowStep, c8 = P::col();
-              if (t < cs.len)
-                *reinterpret_cast<uint4*>(wg_out + t * int64_t{HV} * K + c8) =
-                    *reinterpret_cast<const uint4*>(w_at(t, c8));
-            }
-          }
         }
       } else {  // tapes: rows; k, w, u
         const RowVector vecs[2] = {{r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}};
@@ -640,6 +629,18 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     wg_issue_product1<K>(acc, Ws, Sb);
     wgmma_commit();
     copy_sb_to_h(c);
+    if constexpr (kReplay) {  // w's token rows to global (16-byte pieces; the producer's slab)
+      using P = TilePieces<kChunk, K, kCompute>;
+      const auto w_at = slab_at<kChunk>(const_cast<unsigned char*>(Ws));
+      bf16* w_rows = a.w_out + (cs.start * HV + hv) * K;
+#pragma unroll
+      for (int j = 0; j < P::kPer; ++j) {
+        const int t = P::row0() + j * P::kRowStep, c8 = P::col();
+        if (t < len)
+          *reinterpret_cast<uint4*>(w_rows + t * int64_t{HV} * K + c8) =
+              *reinterpret_cast<const uint4*>(w_at(t, c8));
+      }
+    }
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
     // v_new to global (rows < len); Vd = bf16(d v_new)
