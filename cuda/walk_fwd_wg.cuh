@@ -51,15 +51,19 @@
 //   w = A_w K,  u = A_u V   (m64n64 wgmma blocks, 4 k16 steps from zero, rounded to bf16 into
 //   the slabs: prep's mma.sync products, so kReplay's w, u are prep's bit for bit)
 // kOut takes u transposed (u^T = V^T A_u^T: the same sums, operand roles swapped). v lands in
-// the u slabs (each 64-column block of u or u^T overwrites the v columns it read) and k in its
-// own slabs (the compute warps read it as they are). kReplay writes w's token rows for walk_bwd
-// (the compute warps copy them out of the w slab while product 1 runs).
+// the u slabs (each 64-column block of u^T overwrites the v columns it read) and k in its own
+// slabs (the compute warps read it as they are). In kReplay the producer makes w alone; each
+// compute warpgroup makes its 64 columns of u from A_u (double-buffered) and the v slabs straight
+// into its product-1 accumulator, rounded as the slab would round it, and the compute warps copy
+// w's token rows out of the w slab for walk_bwd while product 1 runs: the producer, which the
+// compute warps waited for, does less.
 // Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut, kReplay: 88, for its
 // 32-register wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at
 // launch, compute 224, kOut and kReplay 208; kTapes at V = 64: 2 CTAs per SM, 128 at launch,
 // compute 200; kOut, kReplay at V = 64: 1 CTA per SM, no reallocation).
 // Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Vd 2 x 8 KB, rows, + 1 KB
-// alignment; tapes: Sb 2 x 16 KB, 146 KB in all (kReplay: + A_u, A_w 16 KB, 3 rows a buffer);
+// alignment; tapes: Sb 2 x 16 KB, 146 KB in all (kReplay: + A_u 2 x 8 KB, A_w 8 KB, 3 rows a
+// buffer);
 // kOut: q 2 x 16 KB, Att 8 KB, A_u and A_w 8 KB each, 6 rows a buffer: about 172 KB. One CTA of
 // 12 warps per SM.
 #pragma once
@@ -116,6 +120,7 @@ enum class WalkMode {
 template <WalkMode M, int K, int V>
 struct WalkFwdWgSmem {
   static constexpr bool kOut = M == WalkMode::kOut, kFromA = M != WalkMode::kTapes;
+  static constexpr bool kReplay = M == WalkMode::kReplay;
   static constexpr int kWarpgroups = V / 64;  // compute warpgroups
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
@@ -130,9 +135,10 @@ struct WalkFwdWgSmem {
   static constexpr size_t oVd = oSb + (kOut ? 0 : kWarpgroups * size_t{K} * 128);
   static constexpr size_t oQ = oVd + kWarpgroups * kSlab;                // kOut: 2 buffers
   static constexpr size_t oAtt = oQ + (kOut ? 2 * kTok : 0);             // kOut: [i][j]
-  // the producer's A_u and A_w (kFromA; A lands in A_u)
+  // the producer's A_u and A_w (kFromA; A lands in A_u; kReplay: A_u 2 buffers, the compute
+  // warps make u from it)
   static constexpr size_t oAu = oAtt + (kOut ? kSlab : 0);
-  static constexpr size_t oAw = oAu + (kFromA ? kSlab : 0);
+  static constexpr size_t oAw = oAu + (kFromA ? (kReplay ? 2 : 1) * kSlab : 0);
   static constexpr size_t oRows = oAw + (kFromA ? kSlab : 0);            // 2 buffers
   static constexpr size_t oBar = oRows + 2 * kRows;  // 2 mbarriers (TMA: one a buffer)
   static constexpr size_t bytes = oBar + 16 + 1024;  // + alignment
@@ -208,6 +214,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   auto w_slabs = [&](int b) { return smem + Sm::oWs + b * Sm::kTok; };
   auto u_slabs = [&](int b) { return smem + Sm::oUs + b * Sm::kWarpgroups * Sm::kSlab; };
   auto rows = [&](int b) { return reinterpret_cast<float*>(smem + Sm::oRows + b * Sm::kRows); };
+  auto au_slab = [&](int b) { return smem + Sm::oAu + (kReplay ? b * Sm::kSlab : 0); };
   // A chunk's table entries (loaded a chunk or two ahead of their use by both roles)
   auto span = [&](int c) { return chunk_span(a.cstart, a.clen, min(c, c_last), a.num_tokens); };
 
@@ -236,7 +243,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     // v, k; kTapes: k, w, u.
     [[maybe_unused]] auto chunk_boxes = [&](int c, int t0, int b, auto&& f) {
       if constexpr (kFromA) {
-        f(smem + Sm::oAu, &a.tm_A, 0, (c * HV + hv) * kChunk, -1);
+        f(au_slab(b), &a.tm_A, 0, (c * HV + hv) * kChunk, -1);
 #pragma unroll
         for (int j = 0; j < V / 64; ++j) f(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0);
       }
@@ -279,8 +286,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     // kOut, kReplay: A (landed in A_u) -> A_u = bf16(A diag(beta)) in place and A_w = bf16(A
     // diag(beta e^G r)), prep's roundings (prep.cuh); r: the chunk's rows (G, then rstd), rb: its
     // beta row.
-    [[maybe_unused]] auto scale_a = [&](const float* r, const float* rb) {
-      unsigned char* Au = smem + Sm::oAu;
+    [[maybe_unused]] auto scale_a = [&](const float* r, const float* rb, unsigned char* Au) {
       unsigned char* Aw = smem + Sm::oAw;
       using P = TilePieces<kChunk, kChunk, kLoaders>;
       const int c8 = P::col();
@@ -374,7 +380,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           cp_async_row_vectors<kLoaders>(vecs, cs.start, cs.len);
         }
         cp_async_commit();
-        unsigned char* Au = smem + Sm::oAu;
+        unsigned char* Au = au_slab(b);
         unsigned char* Aw = smem + Sm::oAw;
         const int row_A = (c * HV + hv) * kChunk, t0 = static_cast<int>(cs.start);
         if constexpr (kTma) {
@@ -409,17 +415,17 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
             r[2 * kChunk + t] = a.scale * (a.rstd_q != nullptr ? r[2 * kChunk + t] : 1.f);
           }
         }
-        scale_a(r, rb);
+        scale_a(r, rb, Au);
         fence_proxy_async();
         producer_sync();  // A_u, A_w (and zeroed rows) for the products
         if constexpr (kOut) {
           ut_product(Au, u_slabs(b));
           wu_product(Aw, k_slabs(b), w_slabs(b), K);
         } else {
-          // w = A_w k, u = A_u v: prep's products (4 k16 steps from zero), rounded to bf16 (the
-          // compute warps copy w's rows out during the chunk: they wait for this warpgroup)
+          // w = A_w k: prep's product (4 k16 steps from zero), rounded to bf16. The compute
+          // warps, which wait for this warpgroup, make u = A_u v from A_u and the v slabs and copy
+          // w's rows out during the chunk.
           wu_product(Aw, k_slabs(b), w_slabs(b), K);
-          wu_product(Au, u_slabs(b), u_slabs(b), V);
         }
       } else {  // tapes: rows; k, w, u
         const RowVector vecs[2] = {{r, a.G, HV, hv}, {r + kChunk, a.rstd, H, hk}};
@@ -618,8 +624,23 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     const float* rR = a.rstd != nullptr ? rG + kChunk : nullptr;
     const float GC = rG[last];
     float acc[32];
-    wg_load_slab64(acc, Us + wg * Sm::kSlab, wq);
-    wg_write_sb<K>(S, Sb, wq);
+    wg_write_sb<K>(S, Sb, wq);  // (before any wgmma is in flight: S is a wgmma accumulator)
+    if constexpr (kReplay) {
+      // u = A_u v for this warpgroup's 64 value columns (v in the u slabs), prep's product (4 k16
+      // steps from zero) rounded to bf16 as prep stores it: product 1's start
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+      wgmma_fence_operand(acc);
+      wgmma_fence();
+      wg_issue_mm64<kChunk>(acc, au_slab(b), Us + wg * Sm::kSlab);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operand(acc);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[i] = __bfloat162float(__float2bfloat16_rn(acc[i]));
+    } else {
+      wg_load_slab64(acc, Us + wg * Sm::kSlab, wq);
+    }
     fence_proxy_async();
     warpgroup_sync(wg);  // Sb complete
 
