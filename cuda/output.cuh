@@ -1,16 +1,17 @@
 // The chunk output (DESIGN.md section 1), one CTA of 4 warps per (chunk, value head), value heads
 // of one chunk adjacent in the (1-D) grid so GVA heads share q / k through L2:
 //
-//   Att = tril_incl(Gam o Q K^T)                 (unscaled; written as bf16 `scores` when asked:
-//                                                 the operand values walk_bwd uses)
-//   o   = scale (diag(e^G) Q h + Att v_new)      -> [T, HV, V] in the output dtype
+//   Att = diag(rq) tril_incl(Gam o Q K^T) diag(rk)  (unscaled; written as bf16 `scores` when
+//                                                    asked: the operand values walk_bwd uses)
+//   o   = scale (diag(rq e^G) Q h + Att v_new)      -> [T, HV, V] in the output dtype
 //
-// q, k (normalised by rstd when given) are rounded to bf16 in shared memory (bf16 ones arrive by
-// cp.async and are scaled in place, f32 ones go through registers); h (the state entering the
-// chunk) and v_new are bf16 already (the state walk rounds them) and go straight into their
-// slabs with cp.async. The products run on wgmma (one warpgroup; warp w holds output
-// rows 16w..16w+15); Att goes through a shared slab to Att v_new; o is produced in 64-column
-// panels. e^G multiplies the rows of Q h (never e^{-G}, which can overflow); Gam_ij =
+// (rq, rk: rstd of q, k, 1 without the L2 norm.) q and k enter the products as they are (bf16
+// ones by cp.async, f32 ones rounded to bf16 through registers) and the rstd factors go on the
+// accumulators, as walk_output and walk_bwd do (walk_bwd recomputes Att bit for bit this way);
+// h (the state entering the chunk) and v_new are bf16 already (the state walk rounds them) and
+// go straight into their slabs with cp.async. The products run on wgmma (one warpgroup; warp w
+// holds output rows 16w..16w+15); Att goes through a shared slab to Att v_new; o is produced in
+// 64-column panels. e^G multiplies the rows of Q h (never e^{-G}, which can overflow); Gam_ij =
 // exp(G_i - G_j) is evaluated for i >= j only (wg_gate_scores, wg_acc.cuh, shared with the walks).
 #pragma once
 
@@ -41,10 +42,8 @@ struct OutputSmem {
 };
 
 // One warpgroup per (chunk, value head), on wgmma (wgmma.cuh): Q, K, h, v_new and Att as 128-byte
-// swizzled slabs; Att = Q K^T (m64n64, K / 16 k-steps) gated by wg_gate_scores; per 64-column
-// panel p of V, o = e^G (Q h_p) + Att v_new_p. Every operand and every accumulator's k16 steps
-// are those of the mma.sync kernel this replaced (and of walk_output), in the same order from
-// zero, so o and the scores are expected bit for bit equal to it.
+// swizzled slabs; Att = Q K^T (m64n64, K / 16 k-steps) gated by wg_gate_scores (with rk), times
+// rq as it is stored; per 64-column panel p of V, o = rq e^G (Q h_p) + Att v_new_p.
 // (min 1 CTA/SM in the bounds; 89 KB of shared memory at K = V = 128: 2 CTAs/SM)
 template <typename In, typename Out, int K>
 __global__ void __launch_bounds__(kOutThreads, 1)
@@ -83,8 +82,8 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   }
 
   const int64_t qk_off = cs.start * H * K + hk * K;
-  // h (bf16 [K][V]) and v_new by cp.async; bf16 q, k too, with their rstd rows, then scaled in
-  // place (the values load_tile_bf16 gives); f32 q, k are converted through registers
+  // h (bf16 [K][V]) and v_new by cp.async; bf16 q, k too, as they are; f32 q, k are rounded
+  // through registers; the rstd rows by cp.async
   const bf16* hsrc = h + (static_cast<int64_t>(c) * HV + hv) * K * V;
   const bf16* vsrc = v_new + (cs.start * HV + hv) * V;
   if (V == 64) {
@@ -98,26 +97,18 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   if constexpr (kRaw) {
     cp_async_tile_at<kChunk, K, kOutThreads>(slab_at<kChunk>(Qs), q + qk_off, int64_t{H} * K, len);
     cp_async_tile_at<kChunk, K, kOutThreads>(slab_at<kChunk>(Ks), k + qk_off, int64_t{H} * K, len);
-    const RowVector rows[2] = {{sRq, rstd_q, H, hk}, {sRk, rstd_k, H, hk}};
-    cp_async_row_vectors<kOutThreads>(rows, cs.start, len);
   }
+  const RowVector rows[2] = {{sRq, rstd_q, H, hk}, {sRk, rstd_k, H, hk}};
+  cp_async_row_vectors<kOutThreads>(rows, cs.start, len);
   cp_async_commit();
   if constexpr (!kRaw) {
     load_tile_bf16_at<kChunk, K, 8, kOutThreads>(slab_at<kChunk>(Qs), q + qk_off,
-                                                 int64_t{H} * K, len,
-                                                 ScaleRstd{rstd_q, cs.start, H, hk});
+                                                 int64_t{H} * K, len, ScaleOne{});
     load_tile_bf16_at<kChunk, K, 8, kOutThreads>(slab_at<kChunk>(Ks), k + qk_off,
-                                                 int64_t{H} * K, len,
-                                                 ScaleRstd{rstd_k, cs.start, H, hk});
+                                                 int64_t{H} * K, len, ScaleOne{});
   }
   if (tid < kChunk) sg[tid] = G[(cs.start + min(tid, len - 1)) * HV + hv];
   cp_async_wait_all();
-  if constexpr (kRaw) {
-    if (rstd_q != nullptr || rstd_k != nullptr) __syncthreads();  // rows from other threads
-    const auto q_at = slab_at<kChunk>(Qs), k_at = slab_at<kChunk>(Ks);
-    if (rstd_q != nullptr) scale_tile_bf16_at<kChunk, K, kOutThreads>(q_at, len, sRq);
-    if (rstd_k != nullptr) scale_tile_bf16_at<kChunk, K, kOutThreads>(k_at, len, sRk);
-  }
   fence_proxy_async();
   __syncthreads();
 
@@ -135,20 +126,22 @@ __global__ void __launch_bounds__(kOutThreads, 1)
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operand(att);
-  wg_gate_scores<64>(att, sg, warp);
-  wg_store_slab<64>(att, AttS, warp);
   const int i0 = 16 * warp + g, i1 = i0 + 8;
+  // rows >= len: rstd 0 (zero-filled), their q rows are zero anyway
+  const float rq0 = rstd_q != nullptr ? sRq[i0] : 1.f, rq1 = rstd_q != nullptr ? sRq[i1] : 1.f;
+  wg_gate_scores<64>(att, sg, warp, 0, kChunk - 1, rstd_k != nullptr ? sRk : nullptr);
+  wg_store_slab<64>(att, AttS, warp, 0, rq0, rq1);
   if (scores != nullptr) {
     bf16* sp = scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      store2(sp + i0 * kChunk + 8 * j + 2 * qd, att[4 * j], att[4 * j + 1]);
-      store2(sp + i1 * kChunk + 8 * j + 2 * qd, att[4 * j + 2], att[4 * j + 3]);
+      store2(sp + i0 * kChunk + 8 * j + 2 * qd, rq0 * att[4 * j], rq0 * att[4 * j + 1]);
+      store2(sp + i1 * kChunk + 8 * j + 2 * qd, rq1 * att[4 * j + 2], rq1 * att[4 * j + 3]);
     }
   }
   fence_proxy_async();
   __syncthreads();  // Att complete
-  const float eg0 = exp_ftz(sg[i0]), eg1 = exp_ftz(sg[i1]);
+  const float eg0 = exp_ftz(sg[i0]) * rq0, eg1 = exp_ftz(sg[i1]) * rq1;
 
   for (int p = 0; p < V / 64; ++p) {
     float acc[32];

@@ -1,8 +1,9 @@
 // The backward state walk (primitives/xla.py: walk_bwd) on Hopper warpgroup MMA. Per segment and
 // value head (and VT-wide column tile), in REVERSE chunk order, with dS (K x VT, f32):
 //
-//   dS_end[c] = dS;   dv_local = scale Att^T dO;   dvn = dv_local + diag(e^{G_C - G}) K dS
-//   dS <- e^{G_C} dS + (Q scale e^G)^T dO - w^T dvn;   dh0 = dS after the segment's first chunk
+//   dS_end[c] = dS;   dv_local = scale Att^T dO;   dvn = dv_local + diag(e^{G_C - G} rk) K dS
+//   dS <- e^{G_C} dS + Q^T diag(scale e^G rq) dO - w^T dvn;   dh0 = dS after the segment's first
+//   chunk   (Att = diag(rq) tril_incl(Gam o Q K^T) diag(rk); rq, rk: rstd of q, k or 1)
 //
 // One CTA of VT / 64 compute warpgroups per (segment, head, VT columns; segments in seg_order,
 // longest first), then a producer warpgroup: compute warpgroup wg owns columns 64 wg.. of the
@@ -10,33 +11,34 @@
 // and Att slabs are shared.
 // The producer fills chunk c - 1's inputs into the other of two buffers while the compute warps
 // work on chunk c: w (and the saved scores) by cp.async straight into their slabs; G, rstd_q,
-// rstd_k by cp.async into its own rows; bf16 q, k, dO by cp.async raw into their slabs, then
-// scaled there by the thread that copied each piece (f32: plain loads, 8 in flight a thread,
-// converted on the way): Qs = q rstd_q, Ks = k rstd_k, dOs = scale dO, dOg = scale e^G dO (the
-// values the former staging pass made) and sG (G, padding rows G_C). It waits for its copies,
-// fences them (fence.proxy.async) and arrives at the barrier that opens the chunk; the compute
-// warps issue no copies. Per chunk, the compute warps:
+// rstd_k by cp.async into its own rows; bf16 q, k, dO by cp.async as they are into their slabs
+// (f32: plain loads, 8 in flight a thread, rounded to bf16 on the way); then dOg = scale e^G rq
+// dO (each thread from the dO pieces it copied) and the compute warps' rows of the buffer (G,
+// padding rows G_C; rk; rq). q, k and dO enter the other products as they are and their
+// per-token factors go on accumulators (the output kernel's and walk_output's way), so the
+// producer converts one 64 x VT tile a chunk. It waits for its copies, fences them
+// (fence.proxy.async) and arrives at the barrier that opens the chunk; the compute warps issue
+// no copies. Per chunk, the compute warps:
 //   top: Sb = bf16(dS) (and dS_end[c] from it)
 //   Att (kScores = false): Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT =
-//        128), gated (wg_gate_scores, wg_acc.cuh) into the Att slab; with saved scores (the
-//        output kernel's) the producer's copy
-//   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);  -dvn = -(e^{G_C - G} acc + dvl) -> Dvn slab
+//        128), gated with rk (wg_gate_scores, wg_acc.cuh) into the Att slab times rq: the output
+//        kernel's saved scores bit for bit; with saved scores the producer's copy of them
+//   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);
+//   -dvn = -(e^{G_C - G} rk acc + scale dvl) -> Dvn slab
 //   dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn     (A MN-major from the [token][key] slabs; the
 //        Qs^T dOg half is issued with acc and runs while acc, Att, dvl and Dvn are made; with
 //        saved scores dvl is issued in that batch too)
 // Barriers: 0 opens a chunk (all threads); 3 (compute warps) completes Att; 1 + wg (one
 // warpgroup) completes its Sb and Dvn; 4 (producer) its rows.
 // Shared memory (K = V = 128): per buffer Ws, Qs, Ks 16 KB each, dOs and dOg 2 x 8 KB each (+ the
-// saved Att 8 KB); Att 8 KB (recomputed), Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 1.25 KB; + 1 KB
-// alignment: 218.25 KB (226.25 KB with saved scores), 1 CTA per SM. No staging: the size no
-// longer depends on In.
+// saved Att 8 KB); Att 8 KB (recomputed), Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB (1.75 KB
+// with saved scores); + 1 KB alignment: 219.25 KB (226.75 KB with saved scores), 1 CTA per SM.
+// No staging: the size no longer depends on In.
 // Registers at VT = 128: the CTA (384 threads) launches at 168 a thread; the producer drops to
 // 56, the compute warpgroups rise to 224 (setmaxnreg; 2 x 224 + 56 = 504). VT = 64: 256 threads,
 // no reallocation.
-// Every operand and every accumulator's k16 steps are the former mma.sync kernel's, in the same
-// order from the same start, so dS_end and dh0 are expected bit for bit equal to it. Unused
-// chunks (after every segment's chunks) get dS_end = 0, as the xla reverse scan gives. dS_end is
-// bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
+// Unused chunks (after every segment's chunks) get dS_end = 0, as the xla reverse scan gives.
+// dS_end is bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
 #pragma once
 
 #include "wg_acc.cuh"
@@ -60,8 +62,11 @@ struct WalkBwdWgSmem {
   static constexpr size_t oAtt = 2 * kBuf;  // [i][j], recomputed (!kScores)
   static constexpr size_t oSb = oAtt + (kScores ? 0 : kSlab);           // per warpgroup, K rows
   static constexpr size_t oDvn = oSb + kWarpgroups * size_t{K} * 128;   // per warpgroup
-  static constexpr size_t oSG = oDvn + kWarpgroups * kSlab;  // 2 x G of the chunk (padded G_C)
-  static constexpr size_t oStG = oSG + 2 * kChunk * sizeof(float);  // producer: G, rq, rk
+  // the compute warps' rows, 2 buffers: G of the chunk (padded G_C), rstd_k and (recomputed Att)
+  // rstd_q
+  static constexpr int kRows = kScores ? 2 : 3;
+  static constexpr size_t oSG = oDvn + kWarpgroups * kSlab;
+  static constexpr size_t oStG = oSG + 2 * kRows * kChunk * sizeof(float);  // producer: G, rq, rk
   static constexpr size_t bytes = oStG + 3 * kChunk * sizeof(float) + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_bwd_wg: shared memory over the sm_90 limit");
 };
@@ -151,8 +156,8 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
   auto buf = [&](int b) { return smem + b * Sm::kBuf; };
-  auto sG = [&](int b) {  // G of the chunk, padding rows G_C (as xla)
-    return reinterpret_cast<float*>(smem + Sm::oSG) + b * kChunk;
+  auto sG = [&](int b) {  // G of the chunk, padding rows G_C (as xla); then rstd_k, rstd_q
+    return reinterpret_cast<float*>(smem + Sm::oSG) + b * Sm::kRows * kChunk;
   };
 
   // This CTA's (segment, head, column tile) and chunks, worked out on each side of the role split
@@ -222,27 +227,35 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       cp_async_commit();
       cp_async_wait<1>();  // the rows (and raw q, k, dO)
       producer_sync();     // every thread's rows
-      if (pt < kChunk) {
-        const float GC = len > 0 ? stG[len - 1] : 0.f;
-        sG(b)[pt] = pt < len ? stG[pt] : GC;
-      }
-      // q, k x rstd; dO x scale and x scale e^G (rows >= len: zeros times these, as staged)
-      constexpr int kNB = 8;  // f32: 16-byte loads in flight a thread
       auto rq = [&](int t) { return rstd_q != nullptr ? stRq[t] : 1.f; };
       auto rk = [&](int t) { return rstd_k != nullptr ? stRk[t] : 1.f; };
-      auto eg = [&](int t) { return exp_ftz(stG[t]); };
-      walk_bwd_convert<K, kNB>(Qs, q + qk_off, int64_t{H} * K, len, rq,
-                               [&](int t, int c8, const float (&f)[8], float r) {
-                                 sts8_bf16(slab_at<kChunk>(Qs)(t, c8), f, r);
-                               });
-      walk_bwd_convert<K, kNB>(Ks, k + qk_off, int64_t{H} * K, len, rk,
-                               [&](int t, int c8, const float (&f)[8], float r) {
-                                 sts8_bf16(slab_at<kChunk>(Ks)(t, c8), f, r);
-                               });
-      walk_bwd_convert<VT, kNB>(DOs, dout + o_off, int64_t{HV} * V, len, eg,
-                                [&](int t, int c8, const float (&f)[8], float e) {
-                                  sts8_bf16(slab_at<kChunk>(DOs)(t, c8), f, scale);
-                                  sts8_bf16(slab_at<kChunk>(DOg)(t, c8), f, scale * e);
+      if (pt < kChunk) {  // the compute warps' rows of buffer b (rows >= len: rstd 0, unused)
+        const float GC = len > 0 ? stG[len - 1] : 0.f;
+        sG(b)[pt] = pt < len ? stG[pt] : GC;
+        sG(b)[kChunk + pt] = rk(pt);
+        if constexpr (!kScores) sG(b)[2 * kChunk + pt] = rq(pt);
+      }
+      // q, k, dO stay as they are (f32: rounded to bf16 here); the per-token factors go on
+      // accumulators, except on the state update's reduction over tokens: dOg = dO scale e^G
+      // rstd_q (rows >= len: zeros times these, as staged)
+      constexpr int kNB = 8;  // f32: 16-byte loads in flight a thread
+      if constexpr (sizeof(In) == 4) {
+        auto one = [](int) { return 1.f; };
+        walk_bwd_convert<K, kNB>(Qs, q + qk_off, int64_t{H} * K, len, one,
+                                 [&](int t, int c8, const float (&f)[8], float) {
+                                   sts8_bf16(slab_at<kChunk>(Qs)(t, c8), f, 1.f);
+                                 });
+        walk_bwd_convert<K, kNB>(Ks, k + qk_off, int64_t{H} * K, len, one,
+                                 [&](int t, int c8, const float (&f)[8], float) {
+                                   sts8_bf16(slab_at<kChunk>(Ks)(t, c8), f, 1.f);
+                                 });
+      }
+      auto dog = [&](int t) { return scale * exp_ftz(stG[t]) * rq(t); };
+      walk_bwd_convert<VT, kNB>(DOs, dout + o_off, int64_t{HV} * V, len, dog,
+                                [&](int t, int c8, const float (&f)[8], float r) {
+                                  if constexpr (sizeof(In) == 4)
+                                    sts8_bf16(slab_at<kChunk>(DOs)(t, c8), f, 1.f);
+                                  sts8_bf16(slab_at<kChunk>(DOg)(t, c8), f, r);
                                 });
       cp_async_wait_all();
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
@@ -352,24 +365,28 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     wgmma_fence_operand(acc);
     if constexpr (!kScores) {
       wgmma_fence_operand(att);
-      // the mask and Gam, this warpgroup's columns, into the Att slab
-      wg_gate_scores<kAttCols>(att, sg, wq, kAttCols * wg);
-      wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg);
+      // the mask, Gam and rstd_k (columns), this warpgroup's columns, into the Att slab times
+      // rstd_q (rows): the output kernel's saved scores, bit for bit
+      const float* srq = sg + 2 * kChunk;
+      wg_gate_scores<kAttCols>(att, sg, wq, kAttCols * wg, kChunk - 1,
+                               rstd_k != nullptr ? sg + kChunk : nullptr);
+      wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg, srq[16 * wq + g],
+                              srq[16 * wq + g + 8]);
       fence_proxy_async();
       compute_sync<kCompute>();  // Att complete
       issue_dvl();
     }
     wgmma_wait<0>();
     wgmma_fence_operand(dvl);
-    // -dvn = -(e^{G_C - G} acc + dvl) as bf16 into Dvn (rows: tokens)
+    // -dvn = -(e^{G_C - G} rstd_k acc + scale dvl) as bf16 into Dvn (rows: tokens)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = 16 * wq + g + 8 * half;
-      const float dec = exp_ftz(GC - sg[t]);
+      const float dec = exp_ftz(GC - sg[t]) * sg[kChunk + t];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float x0 = dec * acc[4 * j + 2 * half] + dvl[4 * j + 2 * half];
-        const float x1 = dec * acc[4 * j + 2 * half + 1] + dvl[4 * j + 2 * half + 1];
+        const float x0 = dec * acc[4 * j + 2 * half] + scale * dvl[4 * j + 2 * half];
+        const float x1 = dec * acc[4 * j + 2 * half + 1] + scale * dvl[4 * j + 2 * half + 1];
         *reinterpret_cast<uint32_t*>(Dvn + sw128_offset(t, 8 * j + 2 * qd)) = pack_bf16(-x0, -x1);
       }
     }

@@ -52,9 +52,10 @@ TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
 # (bf16 k in K K^T, the inverse near f32 through split bf16 mma: 1.7-2.7e-4 before A went bf16)
 A_TOL = 2e-3
 # fused walk_output (w, u made from A on chip as prep makes them) vs the separate cuda
-# state_walk + output on prep's w, u, with the L2 norm: q, k unnormalised with the rstd factors
-# on accumulators against bf16(q rstd_q), bf16(k rstd_k) in the output kernel, about one bf16
-# rounding apart (seen: 3.9-4.0e-3); without it, and the final state always, bit for bit
+# state_walk + output on prep's w, u, with the L2 norm: both put the rstd factors on
+# accumulators, walk_output rq on o, the output kernel rq into the bf16 Att it rounds (the scores
+# walk_bwd recomputes), so they are a bf16 rounding apart; without it, and the final state
+# always, bit for bit
 SEP_TOL = 6e-3
 
 
@@ -438,9 +439,8 @@ def test_gpu_primitives_match_xla(cfg):
         assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
     # the fused walk + output from prep's A against the separate cuda kernels on prep's w, u:
     # the fused one makes w, u from A as prep does, so its walk (the final state) is theirs bit
-    # for bit; o too without the L2 norm. With it, the fused one takes q, k as they are and
-    # applies the rstd factors to accumulators (the output kernel takes bf16(q rstd_q),
-    # bf16(k rstd_k)): o agrees to about one bf16 rounding
+    # for bit; o too without the L2 norm. With it, rq sits inside the output kernel's bf16 Att
+    # and outside walk_output's: o agrees to about one bf16 rounding
     for key in ("walk_output.o~sep", "walk_output.final~sep"):
         print(f"[{name}] {key}: rel {errs[key]:.1e}")
         assert errs[key] <= SEP_TOL, (key, errs[key])
