@@ -140,11 +140,14 @@ def primitive_calls(wl, backend: str, lib=None):
     def wbwd(q, k, w, G, do, dfinal, rq, rk, ct):
         return P.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
 
-    dS_end, _ = jax.jit(wbwd)(q, k, w, G, do, dfinal, rq, rk, ct)
+    wb = jax.jit(wbwd)(q, k, w, G, do, dfinal, rq, rk, ct)
+    # dS_end, and the chunks' dvn where walk_bwd makes it for chunk_bwd (baselines before: none)
+    takes_dvn = "dvn" in inspect.signature(P.chunk_bwd).parameters
+    dS_end = (wb[0], wb[2]) if takes_dvn else (wb[0],)
 
-    def cbwd(q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct):
-        return P.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, dS_end, do, rq, rk, ct,
-                           scale=scale)
+    def cbwd(q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct, **kw):
+        return P.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, *dS_end, do, rq, rk, ct,
+                           scale=scale, **kw)
 
     calls = []
     if wl.qk_l2norm:
@@ -160,9 +163,8 @@ def primitive_calls(wl, backend: str, lib=None):
                                            ct)),
     ]
     if "deterministic" in inspect.signature(P.chunk_bwd).parameters:
-        def cbwd_sum(q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct):
-            return P.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, dS_end, do, rq, rk, ct,
-                               scale=scale, deterministic=False)
+        def cbwd_sum(*a):
+            return cbwd(*a, deterministic=False)
 
         calls.append(("bwd: chunk_bwd, atomic group sum", jax.jit(cbwd_sum),
                       (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct)))

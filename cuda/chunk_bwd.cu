@@ -1,6 +1,6 @@
 // FFI handler of the chunk-parallel backward (kernel in chunk_bwd.cuh):
 //
-//   jax_cake_gdn_chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k,
+//   jax_cake_gdn_chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k,
 //                          chunk_start, chunk_len; scale)
 //       -> dQ, dK f32[T, HQ, K] (w.r.t. the normalised q / k: the caller applies the L2-norm
 //          backward): HQ = HV gives them per value head (the caller sums the GVA groups), HQ = H
@@ -10,9 +10,9 @@
 //
 // q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
 // A bf16[NC, HV, 64, 64] (as prep stores it); h, dS_end bf16[NC, HV, K, V] (the walks' bf16
-// tapes); v_new bf16[T, HV, V] (the state walk's); rstd_q, rstd_k f32[T, H] or f32[1] (no L2
-// norm); chunk table int32 (chunks.py). K, V in {64, 128}. Every token row is written by its
-// chunk; unused chunks (length 0) write nothing.
+// tapes); dvn bf16[NC, HV, 64, V] (walk_bwd's); v_new bf16[T, HV, V] (the state walk's); rstd_q,
+// rstd_k f32[T, H] or f32[1] (no L2 norm); chunk table int32 (chunks.py). K, V in {64, 128}.
+// Every token row is written by its chunk; unused chunks (length 0) write nothing.
 #include "chunk_bwd.cuh"
 #include "fwd_args.cuh"
 
@@ -25,9 +25,10 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
                           ffi::Buffer<ffi::BF16> A, ffi::Buffer<ffi::BF16> h,
                           ffi::Buffer<ffi::BF16> v_new, ffi::Buffer<ffi::BF16> dS_end,
-                          ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> rstd_q,
-                          ffi::Buffer<ffi::F32> rstd_k, ffi::Buffer<ffi::S32> chunk_start,
-                          ffi::Buffer<ffi::S32> chunk_len, float scale,
+                          ffi::Buffer<ffi::BF16> dvn, ffi::AnyBuffer dout,
+                          ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                          float scale,
                           ffi::ResultBuffer<ffi::F32> dQ, ffi::ResultBuffer<ffi::F32> dK,
                           ffi::Result<ffi::AnyBuffer> dV, ffi::ResultBuffer<ffi::F32> dg,
                           ffi::ResultBuffer<ffi::F32> dbeta) {
@@ -59,6 +60,8 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                 "h must be bf16[NC, HV, K, V], got shape " + dims_str(h.dimensions()));
   JCG_CHECK_ARG(dims_are(dS_end.dimensions(), {NC, HV, K, V}),
                 "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end.dimensions()));
+  JCG_CHECK_ARG(dims_are(dvn.dimensions(), {NC, HV, kChunk, V}),
+                "dvn must be bf16[NC, HV, 64, V], got shape " + dims_str(dvn.dimensions()));
   const int64_t HQ = dQ->dimensions().size() == 3 ? dQ->dimensions()[1] : -1;
   JCG_CHECK_ARG((HQ == HV || HQ == H) && dims_are(dQ->dimensions(), {T, HQ, K}),
                 "dQ must be f32[T, HV, K] or f32[T, H, K], got shape " +
@@ -102,6 +105,7 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                      static_cast<const bf16*>(h.untyped_data()),
                      static_cast<const bf16*>(v_new.untyped_data()),
                      static_cast<const bf16*>(dS_end.untyped_data()),
+                     static_cast<const bf16*>(dvn.untyped_data()),
                      static_cast<const In*>(dout.untyped_data()),
                      has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                      has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
@@ -131,6 +135,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_chunk_bwd, jax_cake_gdn::chunk_bwd_im
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // dS_end
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // dvn
                                   .Arg<xla::ffi::AnyBuffer>()              // do
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k

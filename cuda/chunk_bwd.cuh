@@ -7,7 +7,7 @@
 //
 //   Att  = Gam o Q K^T (recomputed: light and full save modes give bitwise-equal gradients)
 //   datt = scale tril(dO vn^T)        da = datt o Att        dGam = datt o Gam
-//   dvn  = scale Att^T dO + diag(dec) K dS                   (du = dvn)
+//   dvn  = scale Att^T dO + diag(dec) K dS   (walk_bwd's; du = dvn)
 //   dQ   = scale diag(e^G) dO h^T + dGam K                   (dQg = scale dO h^T)
 //   dKd  = vn dS^T                   dw = -dvn h^T
 //   dA   = diag-col(beta) (du V^T + diag-col(e^G) dw K^T)
@@ -43,12 +43,12 @@
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
 // dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 207 KiB, 1 CTA /
 // SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
-// (bf16), M (f32 64 x 64); a phase-A region (Q, dO, vn, h, dS, Att, dGam) that phase B reuses
-// for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V; small arrays.
+// (bf16, walk_bwd's), M (f32 64 x 64); a phase-A region (Q, dO, vn, h, dS, dGam) that phase B
+// reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V; small arrays.
 // Loads: with bf16 inputs every operand goes by cp.async at stage 0 in two groups: what stage 1
 // reads (vn, q, k, dO, rstd; q, k are then scaled by rstd in place, each thread its own pieces:
-// the values a register pass would give), then h, dS_end, A and V, in flight during stage 1;
-// f32 inputs convert q, k, dO (stage 0) and V (stage 5) through registers.
+// the values a register pass would give), then h, dS_end, dvn, A and V, in flight during stage
+// 1; f32 inputs convert q, k, dO (stage 0) and V (stage 4) through registers.
 #pragma once
 
 #include "fwd_common.cuh"
@@ -78,9 +78,9 @@ struct ChunkBwdSmem {
   static constexpr size_t oVN = oDO + kTV;
   static constexpr size_t oH = oVN + kTV;
   static constexpr size_t oDS = oH + kTS;
-  static constexpr size_t oAtt = oDS + kTS;
-  static constexpr size_t oDG = oAtt + kTT;
-  // A (bf16, as stored) and V (bf16 inputs: copied at stage 0), read from stage 6 on
+  static constexpr size_t oDA = oDS + kTS;  // phase B: 64 x 64 dA, later dKK
+  static constexpr size_t oDG = oDA + kTT;
+  // A (bf16, as stored) and V (bf16 inputs: copied at stage 0), read from stage 5 on
   static constexpr size_t oA = oDG + kTT;
   static constexpr size_t oV = oA + kTT;
   // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red,
@@ -90,7 +90,6 @@ struct ChunkBwdSmem {
   static constexpr size_t bytes = oSmall + nSmall * sizeof(float) + 1024;  // + alignment
   // phase B aliases
   static constexpr size_t oDw = oDS;   // 64 x K
-  static constexpr size_t oDA = oAtt;  // 64 x 64, later dKK
   static constexpr size_t oX = oDG;    // 64 x 64
   static_assert(kTK <= kTS, "dw does not fit dS's slot");
   static_assert(bytes <= 227 * 1024, "chunk_bwd: shared memory over the sm_90 limit");
@@ -260,7 +259,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      const float* __restrict__ beta, const float* __restrict__ G,
                      const bf16* __restrict__ A, const bf16* __restrict__ h,
                      const bf16* __restrict__ v_new, const bf16* __restrict__ dS_end,
-                     const In* __restrict__ dout, const float* __restrict__ rstd_q,  // nullable
+                     const bf16* __restrict__ dvn, const In* __restrict__ dout,
+                     const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                      float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
@@ -289,7 +289,6 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   unsigned char* VNs = smem + Sm::oVN;
   unsigned char* Hs = smem + Sm::oH;
   unsigned char* DSs = smem + Sm::oDS;
-  unsigned char* Att = smem + Sm::oAtt;
   unsigned char* DGm = smem + Sm::oDG;
   unsigned char* Dw = smem + Sm::oDw;
   unsigned char* As = smem + Sm::oA;
@@ -318,7 +317,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
   // into their slabs (cp_async_tile_at: the TilePieces mapping; the sum(dS o h) after stage 1
   // walks this thread's pieces of h and dS_end). Two groups: what stage 1 reads (vn, and bf16 q,
-  // k, dO with their rstd rows), then h, dS_end, A and bf16 V, which land while stage 1 runs.
+  // k, dO with their rstd rows), then h, dS_end, dvn, A and bf16 V, which land while stage 1
+  // runs.
   using PH = TilePieces<K, V, kCbThreads>;
   {
     cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(VNs), v_new + v_off,
@@ -340,7 +340,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     cp_async_commit();
     cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(Hs), h + s_off, V, K);
     cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(DSs), dS_end + s_off, V, K);
-    // A as stored (bf16) and bf16 V, for stage 6 on
+    cp_async_tile_at<kChunk, V, kCbThreads>(
+        slab_at<kChunk>(Du), dvn + (static_cast<int64_t>(c) * HV + hv) * (kChunk * V), V, kChunk);
+    // A as stored (bf16) and bf16 V, for stage 5 on
     cp_async_tile_at<kChunk, kChunk, kCbThreads>(
         slab_at<kChunk>(As), A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk,
         kChunk);
@@ -375,7 +377,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   const float GC = sG[len - 1];
 
-  // ---- stage 1: Att (bf16, for Att^T dO), datt -> M = datt o Att (f32), dGam (bf16)
+  // ---- stage 1: Att (registers), datt -> M = datt o Att (f32), dGam (bf16)
   {
     int m0, n0;
     cb_tile_pos<1>(0, m0, n0);
@@ -394,13 +396,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         const float gam = j <= i ? exp_ftz(sG[i] - sG[j]) : 0.f;
         const float a = gam * att[nt][e];
         const float datt = j <= i ? scale * dd[nt][e] : 0.f;
-        att[nt][e] = a;
         dd[nt][e] = datt * gam;
         sM[i * MP + j] = datt * a;
       }
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
-      cb_st2(at64(Att, i0, j), att[nt][0], att[nt][1]);
-      cb_st2(at64(Att, i1, j), att[nt][2], att[nt][3]);
       cb_st2(at64(DGm, i0, j), dd[nt][0], dd[nt][1]);
       cb_st2(at64(DGm, i1, j), dd[nt][2], dd[nt][3]);
     }
@@ -424,40 +423,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     if (lane == 0) sRed[warp] = hds;
   }
   fence_proxy_async();
-  __syncthreads();  // M, Att, dGam, h, dS_end (and A) complete
+  __syncthreads();  // M, dGam, h, dS_end, dvn (and A) complete
 
-  // ---- stage 2: dvn = scale Att^T dO + diag(dec) K dS -> Du (bf16)
-  {
-    float a1[V / 64][4][4], a2[V / 64][4][4];
-#pragma unroll
-    for (int it = 0; it < V / 64; ++it) {
-      zero_acc(a1[it]);
-      zero_acc(a2[it]);
-    }
-    cb_batch(
-        [&](int n0) {
-          cb_mma<K, false, false>(a1, Ks, DSs, n0);
-          cb_mma<kChunk, true, false>(a2, Att, DOs, n0);
-        },
-        a1, a2);
-#pragma unroll
-    for (int it = 0; it < V / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos<V / 64>(it, m0, n0);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
-          const float dec = exp_ftz(GC - sG[i]);
-          cb_st2(at64(Du, i, j), dec * a1[it][nt][2 * hf] + scale * a2[it][nt][2 * hf],
-                 dec * a1[it][nt][2 * hf + 1] + scale * a2[it][nt][2 * hf + 1]);
-        }
-      }
-    }
-  }
-
-  // ---- stage 3: dQ = diag(e^G) dQg + dGam K, dQg = scale dO h^T  (written to global)
+  // ---- stage 2: dQ = diag(e^G) dQg + dGam K, dQg = scale dO h^T  (written to global)
   // (this stage and the next ones issue the chains of all their blocks as one batch)
   {
     float acc[K / 64][4][4];
@@ -487,7 +455,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     }
   }
 
-  // ---- stage 4: dK (registers) = diag(dec) vn dS^T + dGam^T Q
+  // ---- stage 3: dK (registers) = diag(dec) vn dS^T + dGam^T Q
   float dk[K / 64][4][4];
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) zero_acc(dk[it]);
@@ -504,9 +472,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   }
   cb_batch([&](int n0) { cb_mma<kChunk, true, false>(dk, DGm, Qs, n0); }, dk);
   fence_proxy_async();
-  __syncthreads();  // Du complete; Q, dO, vn, dS, Att, dGam dead
+  __syncthreads();  // Q, dO, vn, dS, dGam dead
 
-  // ---- stage 5: dw = -dvn h^T -> Dw (bf16, dS's slot); f32 inputs: V through registers
+  // ---- stage 4: dw = -dvn h^T -> Dw (bf16, dS's slot); f32 inputs: V through registers
   if constexpr (!Sm::kRaw)
     load_tile_bf16_at<kChunk, V, 8, kCbThreads>(slab_at<kChunk>(Vs), v + v_off, int64_t{HV} * V,
                                                 len, ScaleOne{});
@@ -532,7 +500,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   fence_proxy_async();
   __syncthreads();
 
-  // ---- stage 6: dA = diag-col(beta) (du V^T + diag-col(e^G) dw K^T) -> DA (bf16);
+  // ---- stage 5: dA = diag-col(beta) (du V^T + diag-col(e^G) dw K^T) -> DA (bf16);
   //               dV = diag(beta) A^T du (global); dbK = A^T dw -> dK
   {
     int m0, n0;
@@ -592,7 +560,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   fence_proxy_async();
   __syncthreads();  // DA complete
 
-  // ---- stage 7: X = A^T dA (bf16)
+  // ---- stage 6: X = A^T dA (bf16)
   {
     int m0, n0;
     cb_tile_pos<1>(0, m0, n0);
@@ -611,7 +579,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   fence_proxy_async();
   __syncthreads();  // X complete; DA dead
 
-  // ---- stage 8: dL = -tril(X A^T, -1), dLG = dL o Gam, N = dLG o K K^T:
+  // ---- stage 7: dL = -tril(X A^T, -1), dLG = dL o Gam, N = dLG o K K^T:
   //               M += diag(beta) N (same thread, same elements as stage 1), rowsum(N), dKK
   {
     int m0, n0;
@@ -644,7 +612,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   fence_proxy_async();
   __syncthreads();  // dKK, M, partial sums complete
 
-  // ---- stage 9: dK += dKK K + dKK^T K (global); per-row reductions
+  // ---- stage 8: dK += dKK K + dKK^T K (global); per-row reductions
   cb_batch(
       [&](int n0) {
         cb_mma<kChunk, false, false>(dk, DKK, Ks, n0);

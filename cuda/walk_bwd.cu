@@ -3,7 +3,8 @@
 //   jax_cake_gdn_walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len,
 //                         seg_first, seg_last, seg_len, seg_order; scale)
 //       -> dS_end bf16[NC, HV, K, V] (rounded to nearest from the f32 carried gradient: chunk_bwd
-//          uses it only as a bf16 operand), dh0 f32[S, HV, K, V]
+//          uses it only as a bf16 operand), dh0 f32[S, HV, K, V], dvn bf16[NC, HV, 64, V] (the
+//          gradient of each chunk's v_new, rows its tokens, padding rows 0: chunk_bwd's operand)
 //
 // q, k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
 // dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64] (the saved Att) or bf16[1] (recompute);
@@ -33,7 +34,8 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                          ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
                          float scale,
-                         ffi::ResultBuffer<ffi::BF16> dS_end, ffi::ResultBuffer<ffi::F32> dh0) {
+                         ffi::ResultBuffer<ffi::BF16> dS_end, ffi::ResultBuffer<ffi::F32> dh0,
+                         ffi::ResultBuffer<ffi::BF16> dvn) {
   JCG_CHECK_MSG(check_q_k(q, k));
   const auto qd = q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
@@ -63,9 +65,12 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                 "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end->dimensions()));
   JCG_CHECK_ARG(dims_are(dh0->dimensions(), {S, HV, K, V}),
                 "dh0 must be f32[S, HV, K, V], got shape " + dims_str(dh0->dimensions()));
+  JCG_CHECK_ARG(dims_are(dvn->dimensions(), {NC, HV, kChunk, V}),
+                "dvn must be bf16[NC, HV, 64, V], got shape " + dims_str(dvn->dimensions()));
 
   JCG_CHECK_CUDA(poison(stream, *dS_end));
   JCG_CHECK_CUDA(poison(stream, *dh0));
+  JCG_CHECK_CUDA(poison(stream, *dvn));
   cudaError_t err = cudaSuccess;
   dispatch_float_type(q.element_type(), [&](auto tag) {
     using In = typename decltype(tag)::type;
@@ -88,7 +93,8 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                        chunk_start.typed_data(), chunk_len.typed_data(),
                        seg_first.typed_data(), seg_last.typed_data(), seg_len.typed_data(),
                        seg_order.typed_data(),
-                       static_cast<bf16*>(dS_end->untyped_data()), dh0->typed_data(), T,
+                       static_cast<bf16*>(dS_end->untyped_data()),
+                       static_cast<bf16*>(dvn->untyped_data()), dh0->typed_data(), T,
                        static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
                        static_cast<int>(NC), scale);
         };
@@ -127,5 +133,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_bwd, jax_cake_gdn::walk_bwd_impl
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
                                   .Attr<float>("scale")
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // dS_end
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // dh0
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // dh0
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // dvn
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -4,6 +4,7 @@
 //   dS_end[c] = dS;   dv_local = scale Att^T dO;   dvn = dv_local + diag(e^{G_C - G} rk) K dS
 //   dS <- e^{G_C} dS + Q^T diag(scale e^G rq) dO - w^T dvn;   dh0 = dS after the segment's first
 //   chunk   (Att = diag(rq) tril_incl(Gam o Q K^T) diag(rk); rq, rk: rstd of q, k or 1)
+//   dvn[c] (bf16, rows: the chunk's tokens, padding rows 0) is written for chunk_bwd.
 //
 // One CTA of VT / 64 compute warpgroups per (segment, head, VT columns; segments in seg_order,
 // longest first), then a producer warpgroup: compute warpgroup wg owns columns 64 wg.. of the
@@ -37,7 +38,8 @@
 // Registers at VT = 128: the CTA (384 threads) launches at 168 a thread; the producer drops to
 // 56, the compute warpgroups rise to 224 (setmaxnreg; 2 x 224 + 56 = 504). VT = 64: 256 threads,
 // no reallocation.
-// Unused chunks (after every segment's chunks) get dS_end = 0, as the xla reverse scan gives.
+// Unused chunks (after every segment's chunks) get dS_end = 0 and dvn = 0, as the xla reverse
+// scan gives.
 // dS_end is bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
 #pragma once
 
@@ -140,8 +142,8 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        const int32_t* __restrict__ seg_last,
                        const int32_t* __restrict__ seg_len,
                        const int32_t* __restrict__ seg_order, bf16* __restrict__ dS_end,
-                       float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
-                       float scale) {
+                       bf16* __restrict__ dvn, float* __restrict__ dh0, int64_t num_tokens,
+                       int H, int HV, int V, int NC, float scale) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(VT == 64 || VT == 128, "one or two warpgroups");
   using Sm = WalkBwdWgSmem<K, VT, kScores>;
@@ -279,17 +281,25 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
   unsigned char* Dvn = smem + Sm::oDvn + wg * Sm::kSlab;
   const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + v0 + 64 * wg;
 
+  const int64_t dvn_stride = int64_t{kChunk} * V;  // one (chunk, head)'s dvn rows
+  // dS_end and dvn of chunks c0.. (unused ones: no tokens) are zero, this CTA's columns
+  auto zero_chunks = [&](int c0) {
+    const bf16 zero = __float2bfloat16_rn(0.f);
+    for (int c = c0; c < NC; ++c) {
+      const int64_t ch = static_cast<int64_t>(c) * HV + hv;
+      for (int i = tid; i < K * VT; i += kCompute)
+        dS_end[ch * state_stride + (i / VT) * V + v0 + i % VT] = zero;
+      for (int i = tid; i < kChunk * VT; i += kCompute)
+        dvn[ch * dvn_stride + (i / VT) * V + v0 + i % VT] = zero;
+    }
+  };
+
   float S[K / 64][32];
   wg_state_rw<K>(S, const_cast<float*>(dfinal) + state0, V, false, wq);
   if (empty) {
     wg_state_rw<K>(S, dh0 + state0, V, true, wq);
-    // No used chunk at all (no tokens): every dS_end is zero, written by segment 0.
-    if (s == 0 && NC > 0 && clen[0] <= 0) {
-      for (int c = 0; c < NC; ++c)
-        for (int i = tid; i < K * VT; i += kCompute)
-          dS_end[(static_cast<int64_t>(c) * HV + hv) * state_stride + (i / VT) * V + v0 +
-                 i % VT] = __float2bfloat16_rn(0.f);
-    }
+    // No used chunk at all (no tokens): every dS_end and dvn is zero, written by segment 0.
+    if (s == 0 && NC > 0 && clen[0] <= 0) zero_chunks(0);
     return;
   }
 
@@ -399,19 +409,18 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     wgmma_fence();
     wg_issue_state_update<K>(S, Ws, Dvn);
     wgmma_commit();
+    // dvn[c] (for chunk_bwd) from the Dvn slab, sign restored, while the update runs
+    wg_copy_slab<kChunk, true>(Dvn, dvn + (static_cast<int64_t>(c) * HV + hv) * dvn_stride + v0 +
+                                        64 * wg,
+                               V, kChunk, tid & 127);
     wgmma_wait<0>();
 #pragma unroll
     for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
   }
 
   wg_state_rw<K>(S, dh0 + state0, V, true, wq);
-  // The last used chunk's segment also zeroes the unused chunks' dS_end.
-  if (c_last + 1 < NC && clen[c_last + 1] <= 0) {
-    for (int c = c_last + 1; c < NC; ++c)
-      for (int i = tid; i < K * VT; i += kCompute)
-        dS_end[(static_cast<int64_t>(c) * HV + hv) * state_stride + (i / VT) * V + v0 + i % VT] =
-            __float2bfloat16_rn(0.f);
-  }
+  // The last used chunk's segment also zeroes the unused chunks' dS_end and dvn.
+  if (c_last + 1 < NC && clen[c_last + 1] <= 0) zero_chunks(c_last + 1);
 }
 
 }  // namespace jax_cake_gdn

@@ -145,16 +145,22 @@ __device__ __forceinline__ void wg_state_rw(float (&S)[K / 64][32], float* base,
 }
 
 // Rows r < rows of a Rows x 64 bf16 swizzled slab to global rows dst + r * ld with 16-byte
-// stores, by the 128 threads of one warpgroup (t: the thread's index in it).
-template <int Rows>
+// stores, by the 128 threads of one warpgroup (t: the thread's index in it); kNegate flips every
+// value's sign on the way (exact).
+template <int Rows, bool kNegate = false>
 __device__ __forceinline__ void wg_copy_slab(const unsigned char* slab, bf16* dst, int64_t ld,
                                              int rows, int t) {
 #pragma unroll 2
   for (int n = 0; n < Rows * 8 / 128; ++n) {
     const int i = t + n * 128, r = i / 8, cj = i % 8;
-    if (r < rows)
-      *reinterpret_cast<uint4*>(dst + r * ld + 8 * cj) =
-          *reinterpret_cast<const uint4*>(slab + 128 * r + 16 * (cj ^ (r % 8)));
+    if (r < rows) {
+      uint4 x = *reinterpret_cast<const uint4*>(slab + 128 * r + 16 * (cj ^ (r % 8)));
+      if constexpr (kNegate) {
+        constexpr uint32_t kSigns = 0x80008000u;
+        x = make_uint4(x.x ^ kSigns, x.y ^ kSigns, x.z ^ kSigns, x.w ^ kSigns);
+      }
+      *reinterpret_cast<uint4*>(dst + r * ld + 8 * cj) = x;
+    }
   }
 }
 

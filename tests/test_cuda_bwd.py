@@ -2,24 +2,25 @@
 primitive set.
 
 CPU host: the wrappers lower for the cuda platform to their custom calls (walk_bwd: scores given,
-or an f32[1] placeholder when recomputed, dS_end returned as bf16; chunk_bwd: rstd or f32[1]
-placeholders, h and dS_end taken as bf16); the gradient of gdn(backend="cuda") calls both kernels
-once and has no while loop; under jax.checkpoint its backward recomputes the forward only as far
-as the saved set (light: not the walk); saved_layout on the cuda backend reports the bf16 h tape
-of full mode and equals what JAX keeps; bad inputs raise ValueError naming the argument.
+or an f32[1] placeholder when recomputed, dS_end and dvn returned as bf16; chunk_bwd: rstd or
+f32[1] placeholders, h, dS_end and dvn taken as bf16); the gradient of gdn(backend="cuda") calls
+both kernels once and has no while loop; under jax.checkpoint its backward recomputes the forward
+only as far as the saved set (light: not the walk); saved_layout on the cuda backend reports the
+bf16 h tape of full mode and equals what JAX keeps; bad inputs raise ValueError naming the
+argument.
 GPU host: cuda walk_bwd against xla walk_bwd on identical inputs (made by the xla forward
 primitives) on uneven documents (1, 0, 63, 64, 65, 0, 1000 tokens; 4 unused chunk slots), GVA
 (16, 48) and (2, 6), L2 norm on and off, scores None and given, bf16 and f32, K/V 128 and 64
-(relative RMS <= 1e-2 on dS_end, which the kernel returns in bf16, and dh0; dS_end of unused chunk
-slots is exactly 0, as xla gives);
+(relative RMS <= 1e-2 on dS_end and dvn, which the kernel returns in bf16, and dh0; dS_end and dvn
+of unused chunk slots and dvn's padding rows are exactly 0, as xla gives);
 the same under JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite; cuda chunk_bwd
-against xla chunk_bwd on the same inputs and configurations (the cuda kernel gets xla's h and
-dS_end rounded to bf16; every gradient within relative RMS 1e-2 of xla on the f32 h / dS_end and of
-xla on the same bf16-rounded h / dS_end cast back to f32; every token row finite, also under
-poison); and gdn gradients on the cuda backend (both kernels)
-against the float64 reference (<= 1e-2), light and full bitwise equal; the dq / dk epilogue
-(l2norm_bwd: GVA group sum and L2-norm backward) against a float64 numpy version; deterministic=True
-gradients bitwise equal over 10 runs, with the device memory they reuse first filled with NaN.
+against xla chunk_bwd on the same inputs and configurations (the cuda kernel gets xla's h,
+dS_end and dvn rounded to bf16; every gradient within relative RMS 1e-2 of xla on the f32 ones
+and of xla on the same bf16-rounded values cast back to f32; every token row finite, also under
+poison); and gdn gradients on the cuda backend (both kernels) against the float64 reference
+(<= 1e-2), light and full bitwise equal; the dq / dk epilogue (l2norm_bwd: GVA group sum and
+L2-norm backward) against a float64 numpy version; deterministic=True gradients bitwise equal over
+10 runs, with the device memory they reuse first filled with NaN.
 """
 
 from __future__ import annotations
@@ -118,9 +119,10 @@ CB_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
 def chunk_bwd_pairs(inp, qk_l2norm):
     """xla chunk_bwd and cuda chunk_bwd on the same inputs (the xla forward primitives and the
-    xla walk_bwd make A, h, v_new, dS_end; the cuda kernel takes h, v_new and dS_end in bf16, so it
-    gets them rounded to bf16). Returns {"xla": 5 arrays (f32 h, dS_end), "xla_r": 5 arrays (xla on
-    the bf16-rounded h, dS_end cast back to f32: the cuda kernel's exact h / dS_end values),
+    xla walk_bwd make A, h, v_new, dS_end, dvn; the cuda kernel takes h, v_new, dS_end and dvn in
+    bf16, so it gets them rounded to bf16). Returns {"xla": 5 arrays (f32 h, dS_end, dvn), "xla_r":
+    5 arrays (xla on the bf16-rounded h, dS_end, dvn cast back to f32: the cuda kernel's exact
+    values),
     "cuda": 5 arrays, "cuda_sum": 5 arrays (deterministic=False: the kernel sums dq, dk over
     each GVA group with atomic adds)}."""
     scale = inp["q"].shape[-1] ** -0.5
@@ -128,16 +130,17 @@ def chunk_bwd_pairs(inp, qk_l2norm):
     @jax.jit
     def run(q, k, v, g, beta, h0, do, dfinal, cu):
         ct, rq, rk, G, A, w, u, h, vn = _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm)
-        dS, _ = X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
-        hb, dSb = h.astype(jnp.bfloat16), dS.astype(jnp.bfloat16)
-        f32 = jnp.float32
-        return {"xla": X.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, dS, do, rq, rk, ct,
-                                   scale=scale),
+        dS, _, dvn = X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
+        bf, f32 = jnp.bfloat16, jnp.float32
+        hb, dSb, dvnb = h.astype(bf), dS.astype(bf), dvn.astype(bf)
+        return {"xla": X.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, dS, dvn, do, rq, rk,
+                                   ct, scale=scale),
                 "xla_r": X.chunk_bwd(q, k, v, beta, G, A, w, u, hb.astype(f32), vn, None,
-                                     dSb.astype(f32), do, rq, rk, ct, scale=scale),
-                **{key: cuda.chunk_bwd(q, k, v, beta, G, A.astype(jnp.bfloat16), hb,
-                                       vn.astype(jnp.bfloat16), dSb, do, rq, rk, ct.start,
-                                       ct.length, scale=scale, deterministic=det)
+                                     dSb.astype(f32), dvnb.astype(f32), do, rq, rk, ct,
+                                     scale=scale),
+                **{key: cuda.chunk_bwd(q, k, v, beta, G, A.astype(bf), hb, vn.astype(bf), dSb,
+                                       dvnb, do, rq, rk, ct.start, ct.length, scale=scale,
+                                       deterministic=det)
                    for key, det in (("cuda", True), ("cuda_sum", False))}}
 
     return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
@@ -179,7 +182,9 @@ def test_lower_walk_bwd_for_cuda(with_scores, l2):
     calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_walk_bwd" in ln]
     assert len(calls) == 1, hlo
     call = calls[0]
-    assert "-> (tensor<9x6x128x128xbf16>, tensor<5x6x128x128xf32>)" in call  # dS_end, dh0
+    # dS_end, dh0, dvn
+    assert ("-> (tensor<9x6x128x128xbf16>, tensor<5x6x128x128xf32>, tensor<9x6x64x128xbf16>)"
+            in call), call
     assert ("tensor<9x6x64x64xbf16>" in call) == with_scores
     assert ("tensor<1xbf16>" in call) == (not with_scores)  # absent scores: bf16[1]
     assert ("tensor<1xf32>" in call) == (not l2)  # absent rstd: f32[1]
@@ -192,7 +197,8 @@ def _abstract_chunk(T=300, H=2, HV=6, K=128, V=128, NC=9, dtype=jnp.bfloat16):
     return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), v=sds((T, HV, V), dtype),
                 beta=sds((T, HV), f32), G=sds((T, HV), f32), A=sds((NC, HV, 64, 64), jnp.bfloat16),
                 h=sds((NC, HV, K, V), jnp.bfloat16), v_new=sds((T, HV, V), jnp.bfloat16),
-                dS_end=sds((NC, HV, K, V), jnp.bfloat16), do=sds((T, HV, V), dtype),
+                dS_end=sds((NC, HV, K, V), jnp.bfloat16), dvn=sds((NC, HV, 64, V), jnp.bfloat16),
+                do=sds((T, HV, V), dtype),
                 rq=sds((T, H), f32),
                 rk=sds((T, H), f32), cs=sds((NC,), i32), cl=sds((NC,), i32))
 
@@ -205,8 +211,8 @@ def test_lower_chunk_bwd_for_cuda(dims, l2, deterministic):
     K, V = dims
     a = _abstract_chunk(K=K, V=V)
 
-    def f(q, k, v, beta, G, A, h, v_new, dS_end, do, rq, rk, cs, cl):
-        return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rq if l2 else None,
+    def f(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, cs, cl):
+        return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq if l2 else None,
                               rk if l2 else None, cs, cl, scale=0.125,
                               deterministic=deterministic)
 
@@ -214,9 +220,10 @@ def test_lower_chunk_bwd_for_cuda(dims, l2, deterministic):
     calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_chunk_bwd" in ln]
     assert len(calls) == 1, hlo
     call = calls[0]
-    # operands A (bf16), h (bf16), v_new (bf16), dS_end (bf16)
+    # operands A, h, v_new, dS_end, dvn (bf16), do
     assert (f"tensor<9x6x64x64xbf16>, tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>, "
-            f"tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>") in call, call
+            f"tensor<9x6x{K}x{V}xbf16>, tensor<9x6x64x{V}xbf16>, tensor<300x6x{V}xbf16>") in call, \
+        call
     # dQ, dK (f32) per value head, or per q/k head when the kernel sums the groups
     # (deterministic=False); dV in v's dtype, dg, dbeta
     hq = 6 if deterministic else 2
@@ -398,7 +405,8 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
 
     def call(**kw):
         a = dict(q=q, k=q, v=v, beta=th, G=th, A=jnp.zeros((NC, HV, 64, 64), jnp.bfloat16), h=st,
-                 v_new=v, dS_end=st, do=v, rstd_q=None, rstd_k=None,
+                 v_new=v, dS_end=st, dvn=jnp.zeros((NC, HV, 64, V), jnp.bfloat16), do=v,
+                 rstd_q=None, rstd_k=None,
                  chunk_start=cs, chunk_len=cs)
         a.update(kw)
         return cuda.chunk_bwd(*a.values(), scale=0.1)
@@ -419,6 +427,9 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
         (dict(dS_end=st.astype(f32)), "dS_end must be bfloat16"),
         (dict(h=st.astype(f32)), "h must be bfloat16"),
         (dict(dS_end=st[:, :, :64]), "dS_end must have shape"),
+        (dict(dvn=st[:, :, :32]), "dvn must have shape"),
+        (dict(dvn=jnp.zeros((NC, HV, 64, V), f32)),
+         "dvn must be bfloat16 (as the cuda walk_bwd returns it)"),
         (dict(v_new=jnp.zeros((T, HV, 64), jnp.bfloat16)), "v_new must have shape"),
         (dict(v_new=v.astype(f32)), "v_new must be bfloat16 (as the cuda state_walk returns it)"),
         (dict(rstd_k=jnp.zeros((T, H + 1), f32)), "rstd_k"),
@@ -499,28 +510,35 @@ def test_gpu_walk_bwd_matches_xla(cfg):
     out, length = walk_pairs(inp, l2)
     used = np.asarray(length) > 0
     assert (~used).sum() == 4 and not used[-4:].any()
-    dS_x, dh0_x = (np.asarray(a) for a in out["xla"])
+    dS_x, dh0_x, dvn_x = (np.asarray(a) for a in out["xla"])
+    pad = np.arange(64)[None, :] >= np.asarray(length)[:, None]  # [NC, 64] rows past a chunk
     errs = {}
     for key in ("cuda", "cuda_sc", "cuda_scc"):
         assert out[key][0].dtype == jnp.bfloat16 and dS_x.dtype == np.float32, key
-        # compared after casting the bf16 dS_end to f32 (its rounding is far below TOL)
+        assert out[key][2].dtype == jnp.bfloat16 and dvn_x.dtype == np.float32, key
+        # compared after casting the bf16 dS_end, dvn to f32 (their rounding is far below TOL)
         dS, dh0 = np.asarray(out[key][0], np.float32), np.asarray(out[key][1])
+        dvn = np.asarray(out[key][2], np.float32)
         assert dS.shape == dS_x.shape and dh0.shape == dh0_x.shape, key
-        assert np.isfinite(dS).all() and np.isfinite(dh0).all(), key
-        errs[key] = (rel(dS[used], dS_x[used]), rel(dh0, dh0_x))
+        assert dvn.shape == dvn_x.shape, key
+        assert np.isfinite(dS).all() and np.isfinite(dh0).all() and np.isfinite(dvn).all(), key
+        errs[key] = (rel(dS[used], dS_x[used]), rel(dh0, dh0_x), rel(dvn[used], dvn_x[used]))
         # unused chunk slots: the xla reverse scan carries its zero start there
-        assert (dS[~used] == 0).all(), key
+        assert (dS[~used] == 0).all() and (dvn[~used] == 0).all(), key
         np.testing.assert_allclose(dS_x[~used], 0.0, atol=1e-6)
+        # dvn's rows past a chunk's tokens: zero (no token there)
+        assert (dvn.transpose(0, 2, 1, 3)[pad] == 0).all(), key
+        np.testing.assert_allclose(dvn_x.transpose(0, 2, 1, 3)[pad], 0.0, atol=1e-6)
         # empty documents (1 and 5): dh0 = dfinal, exactly
         df = np.asarray(inp["dfinal"])
         np.testing.assert_array_equal(dh0[[1, 5]], df[[1, 5]])
-    print(f"\n[{name}] cuda walk_bwd vs xla rel RMS (dS_end used chunks, dh0): " +
-          ", ".join(f"{k}={a:.1e}/{b:.1e}" for k, (a, b) in errs.items()))
-    for key, (a, b) in errs.items():
-        assert a <= TOL and b <= TOL, (key, a, b)
+    print(f"\n[{name}] cuda walk_bwd vs xla rel RMS (dS_end used chunks, dh0, dvn used chunks): "
+          + ", ".join(f"{k}={a:.1e}/{b:.1e}/{c:.1e}" for k, (a, b, c) in errs.items()))
+    for key, e in errs.items():
+        assert max(e) <= TOL, (key, e)
     # with the cuda forward's own scores the kernel sees the same bf16 Att as when it recomputes
     c1, c2 = out["cuda"], out["cuda_scc"]
-    assert rel(c2[0], c1[0]) <= 1e-4 and rel(c2[1], c1[1]) <= 1e-4
+    assert all(rel(b, a) <= 1e-4 for a, b in zip(c1, c2))
     for a, b in zip(out["cuda"], out["cuda_rev"]):  # CTA order changes no value
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     print(f"[{name}] recompute vs cuda scores bitwise equal: "
@@ -540,14 +558,14 @@ def test_gpu_chunk_bwd_matches_xla(cfg):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         br = np.asarray(br, np.float32)
         assert np.isfinite(a).all(), n  # every token row belongs to a chunk and is written
-        errs[n] = rel(a, b)  # cuda (bf16 h, dS_end) vs xla on the f32 ones
-        errs_r[n] = rel(a, br)  # cuda vs xla on the same bf16-rounded h, dS_end (as f32)
-        errs_x[n] = rel(br, b)  # what the rounding of h, dS_end alone changes in xla
+        errs[n] = rel(a, b)  # cuda (bf16 h, dS_end, dvn) vs xla on the f32 ones
+        errs_r[n] = rel(a, br)  # cuda vs xla on the same bf16-rounded h, dS_end, dvn
+        errs_x[n] = rel(br, b)  # what the rounding of h, dS_end, dvn alone changes in xla
     print(f"\n[{name}] cuda chunk_bwd vs xla rel RMS: " +
           ", ".join(f"{n}={e:.1e}" for n, e in errs.items()))
-    print(f"[{name}] cuda chunk_bwd vs xla on bf16-rounded h, dS_end: " +
+    print(f"[{name}] cuda chunk_bwd vs xla on bf16-rounded h, dS_end, dvn: " +
           ", ".join(f"{n}={e:.1e}" for n, e in errs_r.items()))
-    print(f"[{name}] xla on bf16-rounded h, dS_end vs xla: " +
+    print(f"[{name}] xla on bf16-rounded h, dS_end, dvn vs xla: " +
           ", ".join(f"{n}={e:.1e}" for n, e in errs_x.items()))
     for n in CB_NAMES:
         assert errs[n] <= TOL, (n, errs[n])
@@ -580,7 +598,7 @@ _POISON_CHECK = textwrap.dedent("""
         inp = make_walk_inputs(3, H=H, HV=HV, K=K, V=V, dtype=dtype, qk_l2norm=l2)
         out, _ = walk_pairs(inp, l2)
         for key in ("cuda", "cuda_sc", "cuda_scc"):
-            for a in out[key]:  # dS_end (bf16), dh0
+            for a in out[key]:  # dS_end (bf16), dh0, dvn (bf16)
                 assert np.isfinite(np.asarray(a, np.float32)).all(), (name, key)
         # chunk_bwd: every token row of dq, dk, dv, dg, dbeta written (unused chunks write none);
         # cuda_sum's dq, dk start from zeros the kernel adds into, so for them this checks only
@@ -590,19 +608,20 @@ _POISON_CHECK = textwrap.dedent("""
             for i, a in enumerate(pairs[key]):
                 assert np.isfinite(np.asarray(a, np.float32)).all(), (name, key, i)
     # poison is live: chunk 1 has tokens but no segment claims it, chunk 2 is not after the last
-    # used chunk: both stay NaN; chunk 0 and dh0 are written
+    # used chunk: both stay NaN (dS_end and dvn); chunk 0 and dh0 are written
     T, HV, K, V = 192, 2, 64, 64
     q = jnp.ones((T, 1, K), jnp.bfloat16)
     i32 = lambda *x: jnp.asarray(x, jnp.int32)
-    dS, dh0 = jax.jit(cuda.walk_bwd, static_argnames="scale")(
+    dS, dh0, dvn = jax.jit(cuda.walk_bwd, static_argnames="scale")(
         q, q, jnp.zeros((T, HV, K), jnp.bfloat16), jnp.zeros((T, HV)),
         jnp.ones((T, HV, V), jnp.bfloat16),
         jnp.ones((1, HV, K, V)), None, None, None, i32(0, 64, 128), i32(64, 64, 0), i32(0),
         i32(0), i32(64), i32(0), scale=0.1)
-    assert dS.dtype == jnp.bfloat16  # poison (0xFF bytes) is a NaN in bf16 too
-    dS, dh0 = np.asarray(dS, np.float32), np.asarray(dh0)
-    assert np.isfinite(dS[0]).all() and np.isfinite(dh0).all()
+    assert dS.dtype == dvn.dtype == jnp.bfloat16  # poison (0xFF bytes) is a NaN in bf16 too
+    dS, dh0, dvn = np.asarray(dS, np.float32), np.asarray(dh0), np.asarray(dvn, np.float32)
+    assert np.isfinite(dS[0]).all() and np.isfinite(dh0).all() and np.isfinite(dvn[0]).all()
     assert np.isnan(dS[1]).all() and np.isnan(dS[2]).all()
+    assert np.isnan(dvn[1]).all() and np.isnan(dvn[2]).all()
     print("OK")
 """)
 

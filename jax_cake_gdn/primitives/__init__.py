@@ -8,15 +8,15 @@ Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit st
 (o, scores); for the light forward, which keeps none of w, u, h, v_new: solve_a (prep's A alone)
 and walk_output (w, u from A, state_walk and output in one: o and exit states). Backward: replay
 (w, u from the saved A and state_walk in one: the light mode's replay; the cuda one makes w, u
-on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state walk),
-chunk_bwd (all input gradients). nan_unless (o, or NaN everywhere when traced cu_seqlens are
-malformed; the cuda one works in place).
+on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state walk: dS_end, dh0
+and each chunk's dvn), chunk_bwd (all input gradients from them). nan_unless (o, or NaN
+everywhere when traced cu_seqlens are malformed; the cuda one works in place).
 Signatures: see primitives/xla.py.
 
 The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
-A, w and u (solve_a: A), its state_walk returns h and v_new, its output the scores and
-its walk_bwd returns dS_end as bf16 (rounded to nearest from f32: the values the kernels that
-read them use as operands; u starts the walks' f32 v_new accumulator), and those kernels accept
+A, w and u (solve_a: A), its state_walk returns h and v_new, its output the scores and its
+walk_bwd returns dS_end and dvn as bf16 (rounded to nearest from f32: the values the kernels
+that read them use as operands; u starts the walks' f32 v_new accumulator), and those kernels accept
 only bf16 there; the xla set keeps them float32. Primitives of the two sets do not mix at these
 arrays (cast explicitly where a test does: `h.astype(jnp.bfloat16)`); exit states, dh0 and every
 other intermediate are float32 in both. The cuda walk_output makes w, u on chip from A with other
@@ -24,10 +24,11 @@ bf16 roundings than prep (primitives/cuda.py), so its o agrees with the full for
 one bf16 rounding.
 
 The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
-ones (and needs neither w nor u): both save modes must give bitwise-equal gradients, and the
-light mode has no scores to read. chunk_bwd(..., deterministic=False) lets the cuda kernel sum
-dq, dk over each GVA group with atomic adds (run-to-run differences in the last bits); the xla
-one sums in a fixed order either way.
+ones (and needs neither w nor u; dvn comes from walk_bwd, which makes it for its own update):
+both save modes must give bitwise-equal gradients, and the light mode has no scores to read.
+chunk_bwd(..., deterministic=False) lets the cuda kernel sum dq, dk over each GVA group with
+atomic adds (run-to-run differences in the last bits); the xla one sums in a fixed order either
+way.
 """
 
 from __future__ import annotations
@@ -85,11 +86,11 @@ def _cuda_primitives() -> Primitives:
         return cuda.walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct.start, ct.length,
                              ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order, scale=scale)
 
-    def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do, rstd_q, rstd_k, ct, *,
-                  scale, deterministic=True):
+    def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd_q, rstd_k,
+                  ct, *, scale, deterministic=True):
         del w, u, scores  # w, u enter only via h, v_new; Att is recomputed (module docstring)
-        return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, ct.start,
-                              ct.length, scale=scale, deterministic=deterministic)
+        return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k,
+                              ct.start, ct.length, scale=scale, deterministic=deterministic)
 
     return XLA._replace(
         name="cuda",

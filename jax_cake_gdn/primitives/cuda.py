@@ -574,8 +574,10 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     rstd_k f32[T, H] or None.
     Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
     from the walk's f32 gradient: `chunk_bwd` uses it only as a bf16 operand; 0 for unused chunks;
-    xla.walk_bwd returns it in float32) and dh0 f32[S, HV, K, V] (gradient of each segment's entry
-    state; dfinal for an empty one).
+    xla.walk_bwd returns it in float32), dh0 f32[S, HV, K, V] (gradient of each segment's entry
+    state; dfinal for an empty one) and dvn bf16[NC, HV, 64, V] (gradient of each chunk's v_new
+    rows, padding rows and unused chunks 0: the walk's bf16 operand, which `chunk_bwd` reads
+    instead of recomputing it).
     """
     fn = "walk_bwd"
     q, k = _qk(fn, q, k)
@@ -599,14 +601,15 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
         sc = _bf16(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK), "as the cuda output returns it")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
-    dS_end, dh0 = _call(fn, [((NC, HV, K, V), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
-                        q, k, w, G, do, dfinal, sc, rq, rk, cs, cl, sf, sla, sl, so,
-                        scale=np.float32(scale))
-    return dS_end, dh0
+    dS_end, dh0, dvn = _call(
+        fn, [((NC, HV, K, V), jnp.bfloat16), ((S, HV, K, V), jnp.float32),
+             ((NC, HV, _CHUNK, V), jnp.bfloat16)],
+        q, k, w, G, do, dfinal, sc, rq, rk, cs, cl, sf, sla, sl, so, scale=np.float32(scale))
+    return dS_end, dh0, dvn
 
 
-def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_start, chunk_len,
-              *, scale: float, deterministic: bool = True):
+def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k, chunk_start,
+              chunk_len, *, scale: float, deterministic: bool = True):
     """Everything after the reverse walk, parallel over (chunk, value head) (xla.chunk_bwd with
     the chunk table as arrays; w, u and the saved scores are not needed: Att is recomputed).
 
@@ -615,9 +618,10 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     `prep` returns it); h, dS_end
     bf16[NC, HV, K, V] (as the cuda `state_walk` and `walk_bwd` return them; f32 ones from the xla
     primitives must be cast first, which rounds them as this kernel did before it took bf16);
-    v_new bf16[T, HV, V] (as the cuda `state_walk` returns it); rstd_q, rstd_k f32[T, H] or
-    None. h, v_new and dS_end enter every product as bf16 operands and e^{G_C} sum(dS_end o h)
-    (dg) sums their bf16 values in f32.
+    dvn bf16[NC, HV, 64, V] (as the cuda `walk_bwd` returns it); v_new bf16[T, HV, V] (as the
+    cuda `state_walk` returns it); rstd_q, rstd_k f32[T, H] or None. h, v_new, dS_end and dvn
+    enter every product as bf16 operands and e^{G_C} sum(dS_end o h) (dg) sums their bf16 values
+    in f32.
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
     The kernel gives dq, dk w.r.t. the normalised q, k and `l2norm_bwd` (a second kernel) applies
     the L2-norm backward. deterministic=True: the kernel writes them per value head (f32[T, HV,
@@ -646,6 +650,7 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     h = _bf16(fn, "h", h, (NC, HV, K, V), "the cuda state walk's tape")
     v_new = _bf16(fn, "v_new", v_new, (T, HV, V), _VNEW_FROM)
     dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
+    dvn = _bf16(fn, "dvn", dvn, (NC, HV, _CHUNK, V), "as the cuda walk_bwd returns it")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     f32 = jnp.float32
@@ -653,7 +658,7 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, do, rstd_q, rstd_k, chunk_s
     dQ, dK, dv, dg, dbeta = _call(
         fn, [((T, HQ, K), f32), ((T, HQ, K), f32), ((T, HV, V), v.dtype), ((T, HV), f32),
              ((T, HV), f32)],
-        q, k, v, beta, G, A, h, v_new, dS_end, do, rq, rk, cs, cl, scale=np.float32(scale))
+        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, cs, cl, scale=np.float32(scale))
     return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
 
 

@@ -222,8 +222,10 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scal
 def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct: ChunkTable, *, scale: float):
     """Reverse walk for the state gradients.
 
-    Returns dS_end [NC, HV, K, V] (gradient of each chunk's exit state) and dh0 [S, HV, K, V]
-    (gradient of each segment's entry state). `scores` is the saved Att or None (recomputed).
+    Returns dS_end [NC, HV, K, V] (gradient of each chunk's exit state), dh0 [S, HV, K, V]
+    (gradient of each segment's entry state) and dvn [NC, HV, 64, V] (gradient of each chunk's
+    v_new rows; padding rows 0), which chunk_bwd takes. `scores` is the saved Att or None
+    (recomputed).
     """
     HV = w.shape[1]
     gt = _gates(G, ct)
@@ -241,18 +243,19 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct: ChunkTable, *, 
         dS_end = jnp.where(last, dfinal[seg], dS)
         dvn = dvl + _mm("hik,hkv->hiv", kdk, dS_end)
         dS_in = dhd + egc[..., None] * dS_end - _mm("hik,hiv->hkv", wk, dvn)
-        return dS_in, (dS_end, dS_in)
+        return dS_in, (dS_end, dS_in, dvn)
 
     xs = (ct.last, ct.seg, wc, Kd, gt.eGC, dh_direct, dv_local)
     dS0 = vma.zeros(dfinal.shape[1:], F32, dfinal, *xs)
-    _, (dS_end, dS_in) = jax.lax.scan(step, dS0, xs, reverse=True)
+    _, (dS_end, dS_in, dvn) = jax.lax.scan(step, dS0, xs, reverse=True)
     dh0 = jnp.where((ct.seg_len > 0)[:, None, None, None], dS_in[ct.seg_first], dfinal)
-    return dS_end, dh0
+    return dS_end, dh0, dvn
 
 
-def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do, rstd_q, rstd_k,
+def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd_q, rstd_k,
               ct: ChunkTable, *, scale: float, deterministic: bool = True):
-    """Everything after the reverse walk, parallel over chunks.
+    """Everything after the reverse walk, parallel over chunks; dS_end and dvn as walk_bwd
+    returns them.
 
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) [T, HV] f32.
     deterministic: accepted for the primitive signature; every sum here has a fixed order.
@@ -272,8 +275,7 @@ def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, do, rstd_q, r
     dec = gt.dec[..., None]
     Qg, Kd = Qc * eG, Kc * dec
 
-    # output and chunk transition
-    dvn = scale * _mm("nhij,nhiv->nhjv", att, dOc) + _mm("nhik,nhkv->nhiv", Kd, dS_end)
+    # output and chunk transition (dvn = scale Att^T dO + Kd dS_end: walk_bwd's)
     datt = scale * jnp.tril(_mm("nhiv,nhjv->nhij", dOc, vn))
     dQg = scale * _mm("nhiv,nhkv->nhik", dOc, h)
     dKd = _mm("nhiv,nhkv->nhik", vn, dS_end)
