@@ -115,6 +115,29 @@ __device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* map, int c0, 
                : "memory");
 }
 
+// A 128-byte swizzled slab at src (1024-byte aligned, written by this CTA and fenced with
+// fence.proxy.async before a barrier) to the box of `map` at (c0, c1), as one bulk group of the
+// issuing thread: it calls tma_store_wait_read before src is written again and tma_store_wait
+// before the CTA exits.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, const void* src, int c0,
+                                             int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n"
+      "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(smem_u32(src))
+      : "memory");
+}
+
+// Until this thread's bulk stores have read their shared memory (it may be written again).
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+
+// Until this thread's bulk stores are complete.
+__device__ __forceinline__ void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+
 // Rows len..63 of n consecutive 64-row slabs (128 bytes a row) set to zero by Threads threads
 // (t: this thread's index among them): what TMA read there from beyond a chunk's end.
 template <int Threads>

@@ -68,6 +68,17 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   JCG_CHECK_ARG(dims_are(dvn->dimensions(), {NC, HV, kChunk, V}),
                 "dvn must be bf16[NC, HV, 64, V], got shape " + dims_str(dvn->dimensions()));
 
+  JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31), "NC * HV * 64 must be below 2^31");
+  // dvn as [NC * HV * 64 rows, V]: the kernel stores one 64 x 64 box a (chunk, head, warpgroup)
+  CUtensorMap dvn_map{};
+  if (NC * HV > 0) {
+    const uint64_t dims[2] = {static_cast<uint64_t>(V), static_cast<uint64_t>(NC * HV * kChunk)};
+    const uint64_t strides[1] = {static_cast<uint64_t>(V) * 2};
+    const uint32_t box[2] = {64, kChunk};
+    const std::string e = make_tma_bf16(&dvn_map, dvn->untyped_data(), 2, dims, strides, box);
+    if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dvn map: " + e);
+  }
+
   JCG_CHECK_CUDA(poison(stream, *dS_end));
   JCG_CHECK_CUDA(poison(stream, *dh0));
   JCG_CHECK_CUDA(poison(stream, *dvn));
@@ -94,7 +105,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                        seg_first.typed_data(), seg_last.typed_data(), seg_len.typed_data(),
                        seg_order.typed_data(),
                        static_cast<bf16*>(dS_end->untyped_data()),
-                       static_cast<bf16*>(dvn->untyped_data()), dh0->typed_data(), T,
+                       static_cast<bf16*>(dvn->untyped_data()), dvn_map, dh0->typed_data(), T,
                        static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
                        static_cast<int>(NC), scale);
         };

@@ -25,8 +25,8 @@
 //        128), gated with rk (wg_gate_scores, wg_acc.cuh) into the Att slab times rq: the output
 //        kernel's saved scores bit for bit; with saved scores the producer's copy of them
 //   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);
-//   -dvn = -(e^{G_C - G} rk acc + scale dvl) -> Dvn slab
-//   dS = e^{G_C} dS + Qs^T dOg + Ws^T Dvn     (A MN-major from the [token][key] slabs; the
+//   dvn = e^{G_C - G} rk acc + scale dvl -> Dvn slab -> dvn[c] (a TMA store)
+//   dS = e^{G_C} dS + Qs^T dOg - Ws^T Dvn     (A MN-major from the [token][key] slabs; the
 //        Qs^T dOg half is issued with acc and runs while acc, Att, dvl and Dvn are made; with
 //        saved scores dvl is issued in that batch too)
 // Barriers: 0 opens a chunk (all threads); 3 (compute warps) completes Att; 1 + wg (one
@@ -43,6 +43,7 @@
 // dS_end is bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
 #pragma once
 
+#include "tma.cuh"
 #include "wg_acc.cuh"
 
 namespace jax_cake_gdn {
@@ -142,8 +143,9 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        const int32_t* __restrict__ seg_last,
                        const int32_t* __restrict__ seg_len,
                        const int32_t* __restrict__ seg_order, bf16* __restrict__ dS_end,
-                       bf16* __restrict__ dvn, float* __restrict__ dh0, int64_t num_tokens,
-                       int H, int HV, int V, int NC, float scale) {
+                       bf16* __restrict__ dvn, const __grid_constant__ CUtensorMap dvn_map,
+                       float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
+                       float scale) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(VT == 64 || VT == 128, "one or two warpgroups");
   using Sm = WalkBwdWgSmem<K, VT, kScores>;
@@ -388,7 +390,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     }
     wgmma_wait<0>();
     wgmma_fence_operand(dvl);
-    // -dvn = -(e^{G_C - G} rstd_k acc + scale dvl) as bf16 into Dvn (rows: tokens)
+    // dvn = e^{G_C - G} rstd_k acc + scale dvl as bf16 into Dvn (rows: tokens)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = 16 * wq + g + 8 * half;
@@ -397,28 +399,30 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       for (int j = 0; j < 8; ++j) {
         const float x0 = dec * acc[4 * j + 2 * half] + scale * dvl[4 * j + 2 * half];
         const float x1 = dec * acc[4 * j + 2 * half + 1] + scale * dvl[4 * j + 2 * half + 1];
-        *reinterpret_cast<uint32_t*>(Dvn + sw128_offset(t, 8 * j + 2 * qd)) = pack_bf16(-x0, -x1);
+        *reinterpret_cast<uint32_t*>(Dvn + sw128_offset(t, 8 * j + 2 * qd)) = pack_bf16(x0, x1);
       }
     }
     fence_proxy_async();
-    warpgroup_sync(wg);  // Dvn complete (read by its own warpgroup only)
+    warpgroup_sync(wg);  // Dvn complete (read by its own warpgroup and its TMA store only)
+    // dvn[c] for chunk_bwd: one TMA store of the slab (the thread waits for its read before the
+    // next chunk's barrier, after which Dvn is written again)
+    if ((tid & 127) == 0)
+      tma_store_2d(&dvn_map, Dvn, v0 + 64 * wg, (c * HV + hv) * kChunk);
 
-    // dS += Ws^T Dvn (the second half of the state update)
+    // dS -= Ws^T Dvn (the second half of the state update)
 #pragma unroll
     for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
     wgmma_fence();
-    wg_issue_state_update<K>(S, Ws, Dvn);
+    wg_issue_state_update<K, -1>(S, Ws, Dvn);
     wgmma_commit();
-    // dvn[c] (for chunk_bwd) from the Dvn slab, sign restored, while the update runs
-    wg_copy_slab<kChunk, true>(Dvn, dvn + (static_cast<int64_t>(c) * HV + hv) * dvn_stride + v0 +
-                                        64 * wg,
-                               V, kChunk, tid & 127);
     wgmma_wait<0>();
+    if ((tid & 127) == 0) tma_store_wait_read();
 #pragma unroll
     for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
   }
 
   wg_state_rw<K>(S, dh0 + state0, V, true, wq);
+  if ((tid & 127) == 0) tma_store_wait();
   // The last used chunk's segment also zeroes the unused chunks' dS_end and dvn.
   if (c_last + 1 < NC && clen[c_last + 1] <= 0) zero_chunks(c_last + 1);
 }

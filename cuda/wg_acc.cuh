@@ -145,22 +145,16 @@ __device__ __forceinline__ void wg_state_rw(float (&S)[K / 64][32], float* base,
 }
 
 // Rows r < rows of a Rows x 64 bf16 swizzled slab to global rows dst + r * ld with 16-byte
-// stores, by the 128 threads of one warpgroup (t: the thread's index in it); kNegate flips every
-// value's sign on the way (exact).
-template <int Rows, bool kNegate = false>
+// stores, by the 128 threads of one warpgroup (t: the thread's index in it).
+template <int Rows>
 __device__ __forceinline__ void wg_copy_slab(const unsigned char* slab, bf16* dst, int64_t ld,
                                              int rows, int t) {
 #pragma unroll 2
   for (int n = 0; n < Rows * 8 / 128; ++n) {
     const int i = t + n * 128, r = i / 8, cj = i % 8;
-    if (r < rows) {
-      uint4 x = *reinterpret_cast<const uint4*>(slab + 128 * r + 16 * (cj ^ (r % 8)));
-      if constexpr (kNegate) {
-        constexpr uint32_t kSigns = 0x80008000u;
-        x = make_uint4(x.x ^ kSigns, x.y ^ kSigns, x.z ^ kSigns, x.w ^ kSigns);
-      }
-      *reinterpret_cast<uint4*>(dst + r * ld + 8 * cj) = x;
-    }
+    if (r < rows)
+      *reinterpret_cast<uint4*>(dst + r * ld + 8 * cj) =
+          *reinterpret_cast<const uint4*>(slab + 128 * r + 16 * (cj ^ (r % 8)));
   }
 }
 
@@ -213,10 +207,10 @@ __device__ __forceinline__ void wg_scale_rows(float (&acc)[32], float s0, float 
   }
 }
 
-// Issues S[b] += A_b^T B for the 64-key blocks b of a K x 64 state (4 k-steps over the chunk's
-// tokens): A = a [64 tokens][K keys] tile as K / 64 slabs, each an MN-major A; B = a
+// Issues S[b] += kSign A_b^T B for the 64-key blocks b of a K x 64 state (4 k-steps over the
+// chunk's tokens): A = a [64 tokens][K keys] tile as K / 64 slabs, each an MN-major A; B = a
 // [64 tokens][64] slab, MN-major. The caller fences before and commits / waits after.
-template <int K>
+template <int K, int kSign = 1>
 __device__ __forceinline__ void wg_issue_state_update(float (&S)[K / 64][32],
                                                       const unsigned char* A,
                                                       const unsigned char* B) {
@@ -225,7 +219,7 @@ __device__ __forceinline__ void wg_issue_state_update(float (&S)[K / 64][32],
   for (int b = 0; b < K / 64; ++b)
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
-      wgmma_m64k16_ss<64, true, true, 1>(S[b], sw128_desc(A + b * kSlab + 2048 * ks, kSlab),
+      wgmma_m64k16_ss<64, true, true, kSign>(S[b], sw128_desc(A + b * kSlab + 2048 * ks, kSlab),
                                          sw128_desc(B + 2048 * ks, kSlab), true);
 }
 
