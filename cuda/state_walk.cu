@@ -77,10 +77,7 @@ std::string token_map(CUtensorMap* m, const void* base, int64_t T, int64_t heads
 
 // A TMA map of A bf16[NC, HV, 64, 64] as [NC * HV * 64, 64]: one 64 x 64 box a (chunk, head).
 std::string a_map(CUtensorMap* m, const void* A, int64_t NC, int64_t HV) {
-  const uint64_t dims[2] = {kChunk, static_cast<uint64_t>(NC * HV * kChunk)};
-  const uint64_t strides[1] = {kChunk * 2};
-  const uint32_t box[2] = {64, kChunk};
-  return make_tma_bf16(m, A, 2, dims, strides, box);
+  return make_tma_rows_bf16(m, A, NC * HV * kChunk, kChunk, kChunk);
 }
 
 // A of the walks that make w, u from it (walk_output, replay): bf16[NC, HV, 64, 64], its rows

@@ -47,6 +47,16 @@ inline std::string make_tma_bf16(CUtensorMap* map, const void* base, int rank,
   return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed (error " + std::to_string(r) + ")";
 }
 
+// A map of a row-major bf16 [rows, cols] array (cols a multiple of 8): boxes of 64 columns x
+// box_rows rows. Returns "" or why not.
+inline std::string make_tma_rows_bf16(CUtensorMap* map, const void* base, int64_t rows,
+                                      int64_t cols, uint32_t box_rows) {
+  const uint64_t dims[2] = {static_cast<uint64_t>(cols), static_cast<uint64_t>(rows)};
+  const uint64_t strides[1] = {static_cast<uint64_t>(cols) * 2};
+  const uint32_t box[2] = {64, box_rows};
+  return make_tma_bf16(map, base, 2, dims, strides, box);
+}
+
 // ---------------------------------------------------------------- device
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {

@@ -72,10 +72,8 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   // dvn as [NC * HV * 64 rows, V]: the kernel stores one 64 x 64 box a (chunk, head, warpgroup)
   CUtensorMap dvn_map{};
   if (NC * HV > 0) {
-    const uint64_t dims[2] = {static_cast<uint64_t>(V), static_cast<uint64_t>(NC * HV * kChunk)};
-    const uint64_t strides[1] = {static_cast<uint64_t>(V) * 2};
-    const uint32_t box[2] = {64, kChunk};
-    const std::string e = make_tma_bf16(&dvn_map, dvn->untyped_data(), 2, dims, strides, box);
+    const std::string e =
+        make_tma_rows_bf16(&dvn_map, dvn->untyped_data(), NC * HV * kChunk, V, kChunk);
     if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dvn map: " + e);
   }
 

@@ -220,7 +220,7 @@ __device__ __forceinline__ void wg_issue_state_update(float (&S)[K / 64][32],
 #pragma unroll
     for (int ks = 0; ks < kChunk / 16; ++ks)
       wgmma_m64k16_ss<64, true, true, kSign>(S[b], sw128_desc(A + b * kSlab + 2048 * ks, kSlab),
-                                         sw128_desc(B + 2048 * ks, kSlab), true);
+                                             sw128_desc(B + 2048 * ks, kSlab), true);
 }
 
 // d_t = r_t e^{G_C - G_t} for token t < len of a chunk (r: rstd rows, null: 1; G: its gate

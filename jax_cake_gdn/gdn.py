@@ -182,19 +182,17 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
       qk_l2norm: L2-normalise q and k per head row inside the op (x / sqrt(sum x^2 + 1e-6)).
       initial_state: optional float32 [N or B, HV, K, V] entry state per document.
       output_final_state: also return the exit state per document, float32 [N or B, HV, K, V].
-      save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays w, u
-        and the state walk in the backward; "full" also keeps w, u, the h tape, v_new and the
-        intra-chunk scores (bfloat16 on the cuda backend, float32 on xla; see
-        `saved_layout`). Both give bitwise-equal gradients (with deterministic=True; see
-        deterministic). On the cuda backend the light forward makes A alone (solve_a) and
-        runs w, u, the walk and the output as one
-        kernel (walk_output; none of w, u, h reaches HBM; its o agrees with full's to bf16
-        rounding, not bit for bit) and is the faster forward; its backward replays w, u and
-        the walk in one kernel, so both modes' fwd+bwd cost about the same (B23 on an H200,
-        2026-12-01: fwd 1.49 vs 2.72 ms, fwd+bwd 7.66 vs 7.65 ms). With few (segment, head)
-        walk chains for the GPU's SMs (a long single document, few heads) that extra walk
-        shows and "full" has the faster fwd+bwd (one 65536-token document, heads (16, 48):
-        17.9 vs 20.7 ms).
+      save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays w, u and
+        the state walk in the backward; "full" also keeps w, u, the h tape, v_new and the
+        intra-chunk scores (bfloat16 on the cuda backend, float32 on xla; see `saved_layout`). Both
+        give bitwise-equal gradients (with deterministic=True; see deterministic). On the cuda
+        backend the light forward makes A alone (solve_a) and runs w, u, the walk and the output as
+        one kernel (walk_output; none of w, u, h reaches HBM; its o agrees with full's to bf16
+        rounding, not bit for bit) and is the faster forward; its backward replays w, u and the walk
+        in one kernel, so both modes' fwd+bwd cost about the same (B23 on an H200, 2026-12-01: fwd
+        1.49 vs 2.72 ms, fwd+bwd 7.66 vs 7.65 ms). With few (segment, head) walk chains for the
+        GPU's SMs (a long single document, few heads) that extra walk shows and "full" has the
+        faster fwd+bwd (one 65536-token document, heads (16, 48): 17.9 vs 20.7 ms).
       deterministic: True: bitwise-reproducible gradients (every sum in a fixed order): repeated
         runs with the same shapes on the same device give bitwise-equal outputs and gradients,
         and the two save modes bitwise-equal gradients. False (default): on the cuda backend
