@@ -80,6 +80,13 @@ std::string a_map(CUtensorMap* m, const void* A, int64_t NC, int64_t HV) {
   return make_tma_rows_bf16(m, A, NC * HV * kChunk, kChunk, kChunk);
 }
 
+// The tapes' TMA store map of h bf16[NC, HV, K, V] as [NC * HV * K rows, V]: K x 64 boxes (a
+// warpgroup's columns of one (chunk, head)). Returns "" or why not.
+std::string h_map(CUtensorMap* m, const void* h, int64_t NC, int64_t HV, int64_t K, int64_t V) {
+  if (NC * HV * K >= (int64_t{1} << 31)) return "NC * HV * K must be below 2^31";
+  return make_tma_rows_bf16(m, h, NC * HV * K, V, static_cast<uint32_t>(K));
+}
+
 // A of the walks that make w, u from it (walk_output, replay): bf16[NC, HV, 64, 64], its rows
 // addressable by a_map. Returns "" or what is wrong.
 std::string check_a(ffi::Span<const int64_t> A, int64_t NC, int64_t HV) {
@@ -195,6 +202,8 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
         a.u = static_cast<const bf16*>(u.untyped_data());
         a.h = static_cast<bf16*>(h->untyped_data());
         a.v_new = static_cast<bf16*>(v_new->untyped_data());
+        if (NC * HV > 0 && T > 0) map_err = h_map(&a.tm_h, a.h, NC, HV, KD, VT);  // h stores
+        if (!map_err.empty()) return;
         if constexpr (std::is_same_v<In, bf16>) {  // the producer's TMA loads of k, w, u
           map_err = token_map(&a.tm_k, a.k, T, H, KD);
           if (map_err.empty()) map_err = token_map(&a.tm_w, a.w, T, HV, KD);
@@ -300,6 +309,10 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
           a.rstd_q = has_rq ? rstd_q.typed_data() : nullptr;
           a.o = static_cast<Out*>(o->untyped_data());
           a.scale = scale;
+          if constexpr (std::is_same_v<Out, bf16>) {  // the compute warps' TMA stores of o
+            if (NC * HV > 0 && T > 0) map_err = token_map(&a.tm_o, a.o, T, HV, VT);
+            if (!map_err.empty()) return;
+          }
           if constexpr (std::is_same_v<In, bf16>) {
             map_err = walk_output_maps(a, T, H, HV, KD, VT, NC);
             if (!map_err.empty()) return;
@@ -393,6 +406,11 @@ ffi::Error replay_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
         a.h = static_cast<bf16*>(h->untyped_data());
         a.v_new = static_cast<bf16*>(v_new->untyped_data());
         a.w_out = static_cast<bf16*>(w->untyped_data());
+        if (NC * HV > 0 && T > 0) {  // the compute warps' TMA stores of h and w
+          map_err = h_map(&a.tm_h, a.h, NC, HV, KD, VT);
+          if (map_err.empty()) map_err = token_map(&a.tm_wout, a.w_out, T, HV, KD);
+          if (!map_err.empty()) return;
+        }
         if constexpr (std::is_same_v<In, bf16>) {  // the producer's TMA loads of k, v, A
           map_err = from_a_maps(a, T, H, HV, KD, VT, NC);
           if (!map_err.empty()) return;

@@ -23,7 +23,7 @@
 // value; wg_acc.cuh) and its slabs Sb, Vd. Per chunk:
 //   top: Sb = bf16(S); the product-1 accumulator = u; warpgroup barrier
 //   product 1: v_new = u - Ws Sb  (m64n64, K / 16 steps; A = w K-major, B = Sb MN-major);
-//     h[c] = Sb (16-byte stores from Sb while the product runs); v_new to global
+//     h[c] = Sb (one TMA store a warpgroup while the product runs); v_new to global
 //   Vd = bf16(d v_new)
 //   product 2: S = e^{G_C} S + K^T Vd  (per 64-key block: m64n64, 4 steps; A = k MN-major)
 // kOut: the state transposed, S^T (64 value rows x K keys, one m64nK accumulator), and the
@@ -36,8 +36,8 @@
 //   vn = bf16(v_new^T), vd = bf16(v_new^T diag(d)); Att gated into its slab; CTA compute barrier
 //   product 2: o^T = diag-cols(e^G) o^T + vn Att^T (B = Att [i][j] K-major);
 //     S^T = e^{G_C} S^T + vd K (m64nK, B = k [token][K] MN-major)
-//   o = scale rq (o^T)^T: bf16 through the Vd slab by stmatrix .trans, then 16-byte stores of
-//   whole rows (f32 o: 4-byte stores)
+//   o = scale rq (o^T)^T: bf16 through the Vd slab by stmatrix .trans, then one TMA store of a
+//   whole chunk (16-byte stores of the rows < len of a partial one; f32 o: 4-byte stores)
 // All modes make the same walk products over the same bf16 operands in the same k16 order.
 // The per-token factors of kOut (d, e^G, scale rq) are made by the producer into its rows.
 // Every input of chunk c + 1 (k, w, u, rows G / rstd; kOut: q, rstd_q) is double-buffered by
@@ -54,9 +54,10 @@
 // the u slabs (each 64-column block of u^T overwrites the v columns it read) and k in its own
 // slabs (the compute warps read it as they are). In kReplay the producer makes w alone; each
 // compute warpgroup makes its 64 columns of u from A_u (double-buffered) and the v slabs straight
-// into its product-1 accumulator, rounded as the slab would round it, and the compute warps copy
-// w's token rows out of the w slab for walk_bwd while product 1 runs: the producer, which the
-// compute warps waited for, does less.
+// into its product-1 accumulator, rounded as the slab would round it, and the compute warps
+// store w's token rows from the w slab for walk_bwd while product 1 runs (TMA for a whole chunk):
+// the producer, which the compute warps waited for, does less. The issuing thread of each TMA
+// store waits for its read before the slab is written again.
 // Registers (setmaxnreg, WalkFwdWgRegs): the producer drops to 56 (kOut, kReplay: 88, for its
 // 32-register wgmma accumulator), the compute warpgroups take the rest (V = 128: 168 a thread at
 // launch, compute 224, kOut and kReplay 208; kTapes at V = 64: 2 CTAs per SM, 128 at launch,
@@ -81,6 +82,9 @@ template <typename In, typename Out>
 struct WalkFwdArgs {
   // bf16 inputs: the producer's TMA loads (kOut: q, k, v, A; kTapes: k, w, u; kReplay: k, v, A)
   CUtensorMap tm_q, tm_k, tm_v, tm_A, tm_w, tm_u;
+  // the compute warps' TMA stores: h (tapes, [NC * HV * K rows, V]); w_out (kReplay) and o
+  // (kOut, bf16 o) as token arrays [T, heads, D], for whole chunks
+  CUtensorMap tm_h, tm_wout, tm_o;
   const In* q;
   const In* k;
   const In* v;
@@ -566,11 +570,18 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         wgmma_fence_operand(oacc);
         wgmma_fence_operand(ST);
         // o = scale rq o (the producer's rO), token rows < len
-        if constexpr (std::is_same_v<Out, bf16>) {  // through Ot, then 16-byte stores
-          wg_stsm_cols_t(oacc, Ot, wq, rO);
+        if constexpr (std::is_same_v<Out, bf16>) {  // through Ot: a TMA store of whole chunks
+          if (threadIdx.x % 128 == 0) tma_store_wait_read();  // the last chunk's store read Ot
           warpgroup_sync(wg);
-          wg_copy_slab<kChunk>(Ot, o_cols + cs.start * int64_t{HV} * V, int64_t{HV} * V, len,
-                               threadIdx.x % 128);
+          wg_stsm_cols_t(oacc, Ot, wq, rO);
+          fence_proxy_async();
+          warpgroup_sync(wg);
+          if (len == kChunk) {
+            if (threadIdx.x % 128 == 0) tma_store_3d(&a.tm_o, Ot, 64 * wg, hv, cs.start);
+          } else {  // rows past len are the next document's: 16-byte stores of rows < len
+            wg_copy_slab<kChunk>(Ot, o_cols + cs.start * int64_t{HV} * V, int64_t{HV} * V, len,
+                                 threadIdx.x % 128);
+          }
         } else {  // f32 o: 4-byte stores, element (v, t) of o^T to token row t
           wg_scale_cols<64>(oacc, rO);
           const int64_t ld = int64_t{HV} * V;
@@ -586,6 +597,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
       }
     }
     wg_state_rw_t<K>(ST, fin, V, true, wq);
+    if (threadIdx.x % 128 == 0) tma_store_wait();
     return;
   }
 
@@ -649,21 +661,32 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     wgmma_fence();
     wg_issue_product1<K>(acc, Ws, Sb);
     wgmma_commit();
-    copy_sb_to_h(c);
-    if constexpr (kReplay) {  // w's token rows to global (16-byte pieces; the producer's slab)
-      using P = TilePieces<kChunk, K, kCompute>;
-      const auto w_at = slab_at<kChunk>(const_cast<unsigned char*>(Ws));
-      bf16* w_rows = a.w_out + (cs.start * HV + hv) * K;
+    // h[c] = Sb: one TMA store a warpgroup (waited for, read, after product 1, which reads Sb too)
+    if (threadIdx.x % 128 == 0) tma_store_2d(&a.tm_h, Sb, 64 * wg, (c * HV + hv) * K);
+    if constexpr (kReplay) {  // w's token rows to global from the producer's slabs
+      if (len == kChunk) {  // a whole chunk: one TMA store a 64-column slab
+        if (threadIdx.x == 0) {
 #pragma unroll
-      for (int j = 0; j < P::kPer; ++j) {
-        const int t = P::row0() + j * P::kRowStep, c8 = P::col();
-        if (t < len)
-          *reinterpret_cast<uint4*>(w_rows + t * int64_t{HV} * K + c8) =
-              *reinterpret_cast<const uint4*>(w_at(t, c8));
+          for (int sl = 0; sl < K / 64; ++sl)
+            tma_store_3d(&a.tm_wout, Ws + sl * Sm::kSlab, 64 * sl, hv, cs.start);
+        }
+      } else {  // rows past len are the next document's: 16-byte pieces of rows < len
+        using P = TilePieces<kChunk, K, kCompute>;
+        const auto w_at = slab_at<kChunk>(const_cast<unsigned char*>(Ws));
+        bf16* w_rows = a.w_out + (cs.start * HV + hv) * K;
+#pragma unroll
+        for (int j = 0; j < P::kPer; ++j) {
+          const int t = P::row0() + j * P::kRowStep, c8 = P::col();
+          if (t < len)
+            *reinterpret_cast<uint4*>(w_rows + t * int64_t{HV} * K + c8) =
+                *reinterpret_cast<const uint4*>(w_at(t, c8));
+        }
       }
     }
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
+    // Sb (and Ws) are written again after the next chunk's barrier
+    if (threadIdx.x % 128 == 0) tma_store_wait_read();
     // v_new to global (rows < len); Vd = bf16(d v_new)
     const float d0 = walk_decay(i0, len, GC, rG, rR), d1 = walk_decay(i1, len, GC, rG, rR);
 #pragma unroll
@@ -691,6 +714,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   }
 
   wg_state_rw<K>(S, fin, V, true, wq);
+  if (threadIdx.x % 128 == 0) tma_store_wait();
   // The last used chunk's segment also fills the unused chunks' h with its exit state.
   if (c_last + 1 < NC && a.clen[c_last + 1] <= 0) {
     warpgroup_sync(wg);  // every warp of this warpgroup is done reading Sb
