@@ -202,8 +202,6 @@ ffi::Error state_walk_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::Buffer<ff
         a.u = static_cast<const bf16*>(u.untyped_data());
         a.h = static_cast<bf16*>(h->untyped_data());
         a.v_new = static_cast<bf16*>(v_new->untyped_data());
-        if (NC * HV > 0 && T > 0) map_err = h_map(&a.tm_h, a.h, NC, HV, KD, VT);  // h stores
-        if (!map_err.empty()) return;
         if constexpr (std::is_same_v<In, bf16>) {  // the producer's TMA loads of k, w, u
           map_err = token_map(&a.tm_k, a.k, T, H, KD);
           if (map_err.empty()) map_err = token_map(&a.tm_w, a.w, T, HV, KD);

@@ -23,7 +23,8 @@
 // value; wg_acc.cuh) and its slabs Sb, Vd. Per chunk:
 //   top: Sb = bf16(S); the product-1 accumulator = u; warpgroup barrier
 //   product 1: v_new = u - Ws Sb  (m64n64, K / 16 steps; A = w K-major, B = Sb MN-major);
-//     h[c] = Sb (one TMA store a warpgroup while the product runs); v_new to global
+//     h[c] = Sb while the product runs (kReplay: one TMA store a warpgroup; kTapes: 16-byte
+//     stores); v_new to global
 //   Vd = bf16(d v_new)
 //   product 2: S = e^{G_C} S + K^T Vd  (per 64-key block: m64n64, 4 steps; A = k MN-major)
 // kOut: the state transposed, S^T (64 value rows x K keys, one m64nK accumulator), and the
@@ -82,7 +83,7 @@ template <typename In, typename Out>
 struct WalkFwdArgs {
   // bf16 inputs: the producer's TMA loads (kOut: q, k, v, A; kTapes: k, w, u; kReplay: k, v, A)
   CUtensorMap tm_q, tm_k, tm_v, tm_A, tm_w, tm_u;
-  // the compute warps' TMA stores: h (tapes, [NC * HV * K rows, V]); w_out (kReplay) and o
+  // the compute warps' TMA stores: h (kReplay, [NC * HV * K rows, V]); w_out (kReplay) and o
   // (kOut, bf16 o) as token arrays [T, heads, D], for whole chunks
   CUtensorMap tm_h, tm_wout, tm_o;
   const In* q;
@@ -661,8 +662,13 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     wgmma_fence();
     wg_issue_product1<K>(acc, Ws, Sb);
     wgmma_commit();
-    // h[c] = Sb: one TMA store a warpgroup (waited for, read, after product 1, which reads Sb too)
-    if (threadIdx.x % 128 == 0) tma_store_2d(&a.tm_h, Sb, 64 * wg, (c * HV + hv) * K);
+    // h[c] = Sb. kReplay: one TMA store a warpgroup (waited for, read, after product 1, which
+    // reads Sb too); kTapes: 16-byte copies (its TMA store measured 1.03 -> 1.24 ms at B23)
+    if constexpr (kReplay) {
+      if (threadIdx.x % 128 == 0) tma_store_2d(&a.tm_h, Sb, 64 * wg, (c * HV + hv) * K);
+    } else {
+      copy_sb_to_h(c);
+    }
     if constexpr (kReplay) {  // w's token rows to global from the producer's slabs
       if (len == kChunk) {  // a whole chunk: one TMA store a 64-column slab
         if (threadIdx.x == 0) {
@@ -685,8 +691,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     }
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
-    // Sb (and Ws) are written again after the next chunk's barrier
-    if (threadIdx.x % 128 == 0) tma_store_wait_read();
+    // Sb and Ws are written again after the next chunk's barrier
+    if constexpr (kReplay) {
+      if (threadIdx.x % 128 == 0) tma_store_wait_read();
+    }
     // v_new to global (rows < len); Vd = bf16(d v_new)
     const float d0 = walk_decay(i0, len, GC, rG, rR), d1 = walk_decay(i1, len, GC, rG, rR);
 #pragma unroll
