@@ -41,7 +41,7 @@
 // (half the A-operand reads from shared memory of two m64n32 chains), and a stage's chains go out
 // as one batch before one wait (cb_batch).
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
-// dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 207 KiB, 1 CTA /
+// dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 209 KiB, 1 CTA /
 // SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
 // (bf16, walk_bwd's), M (f32 64 x 64); a phase-A region (Q, dO, vn, h, dS, dGam) that phase B
 // reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V; small arrays.
@@ -63,7 +63,9 @@ static_assert(kChunk == 64, "chunk_bwd: the dg scan holds two rows per lane");
 template <typename In, int K, int V>
 struct ChunkBwdSmem {
   static constexpr bool kRaw = std::is_same_v<In, bf16>;  // q, k, dO, v copied as they are
-  static constexpr int MP = kChunk;                        // f32 pitch of M (reads are staggered)
+  // f32 pitch of M: the float2 accesses of the accumulator layout (stages 1, 7) and the tail's
+  // staggered row reads are free of bank conflicts (at 64: 8-way in stages 1, 7)
+  static constexpr int MP = kChunk + 8;
   static constexpr size_t kTK = size_t{kChunk} * K * sizeof(bf16);       // 64 x K: K / 64 slabs
   static constexpr size_t kTV = size_t{kChunk} * V * sizeof(bf16);       // 64 x V
   static constexpr size_t kTS = size_t{K} * V * sizeof(bf16);            // K x V: V / 64 slabs
@@ -390,6 +392,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     cb_end(att, dd);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
+      float m[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
@@ -397,9 +400,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         const float a = gam * att[nt][e];
         const float datt = j <= i ? scale * dd[nt][e] : 0.f;
         dd[nt][e] = datt * gam;
-        sM[i * MP + j] = datt * a;
+        m[e] = datt * a;
       }
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
+      *reinterpret_cast<float2*>(sM + i0 * MP + j) = make_float2(m[0], m[1]);
+      *reinterpret_cast<float2*>(sM + i1 * MP + j) = make_float2(m[2], m[3]);
       cb_st2(at64(DGm, i0, j), dd[nt][0], dd[nt][1]);
       cb_st2(at64(DGm, i1, j), dd[nt][2], dd[nt][3]);
     }
@@ -594,18 +599,23 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
+      const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j0 = cb_col(n0, nt, 0);
+      float2 mr[2] = {*reinterpret_cast<const float2*>(sM + i0 * MP + j0),
+                      *reinterpret_cast<const float2*>(sM + i1 * MP + j0)};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
         const float dlg = j < i ? -exp_ftz(sG[i] - sG[j]) * acc[nt][e] : 0.f;
         const float n = dlg * kk[nt][e];
         s[e >> 1] += n;
-        sM[i * MP + j] += sB[i] * n;
+        float& mv = e & 1 ? mr[e >> 1].y : mr[e >> 1].x;
+        mv += sB[i] * n;
         acc[nt][e] = sB[i] * dlg;
       }
-      const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
-      cb_st2(at64(DKK, i0, j), acc[nt][0], acc[nt][1]);
-      cb_st2(at64(DKK, i1, j), acc[nt][2], acc[nt][3]);
+      *reinterpret_cast<float2*>(sM + i0 * MP + j0) = mr[0];
+      *reinterpret_cast<float2*>(sM + i1 * MP + j0) = mr[1];
+      cb_st2(at64(DKK, i0, j0), acc[nt][0], acc[nt][1]);
+      cb_st2(at64(DKK, i1, j0), acc[nt][2], acc[nt][3]);
     }
     cb_row_partial(s[0], s[1], pe, 2, m0, n0);
   }
