@@ -80,7 +80,7 @@ std::string a_map(CUtensorMap* m, const void* A, int64_t NC, int64_t HV) {
   return make_tma_rows_bf16(m, A, NC * HV * kChunk, kChunk, kChunk);
 }
 
-// The tapes' TMA store map of h bf16[NC, HV, K, V] as [NC * HV * K rows, V]: K x 64 boxes (a
+// The replay's TMA store map of h bf16[NC, HV, K, V] as [NC * HV * K rows, V]: K x 64 boxes (a
 // warpgroup's columns of one (chunk, head)). Returns "" or why not.
 std::string h_map(CUtensorMap* m, const void* h, int64_t NC, int64_t HV, int64_t K, int64_t V) {
   if (NC * HV * K >= (int64_t{1} << 31)) return "NC * HV * K must be below 2^31";

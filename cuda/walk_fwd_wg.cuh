@@ -662,14 +662,13 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     wgmma_fence();
     wg_issue_product1<K>(acc, Ws, Sb);
     wgmma_commit();
-    // h[c] = Sb. kReplay: one TMA store a warpgroup (waited for, read, after product 1, which
-    // reads Sb too); kTapes: 16-byte copies (its TMA store measured 1.03 -> 1.24 ms at B23)
-    if constexpr (kReplay) {
-      if (threadIdx.x % 128 == 0) tma_store_2d(&a.tm_h, Sb, 64 * wg, (c * HV + hv) * K);
-    } else {
+    // h[c] = Sb. kTapes: 16-byte copies (its TMA store measured 1.03 -> 1.24 ms at B23);
+    // kReplay: one TMA store a warpgroup (waited for, read, after product 1, which reads Sb
+    // too), then w's token rows to global from the producer's slabs
+    if constexpr (!kReplay) {
       copy_sb_to_h(c);
-    }
-    if constexpr (kReplay) {  // w's token rows to global from the producer's slabs
+    } else {
+      if (threadIdx.x % 128 == 0) tma_store_2d(&a.tm_h, Sb, 64 * wg, (c * HV + hv) * K);
       if (len == kChunk) {  // a whole chunk: one TMA store a 64-column slab
         if (threadIdx.x == 0) {
 #pragma unroll
