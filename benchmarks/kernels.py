@@ -141,12 +141,13 @@ def primitive_calls(wl, backend: str, lib=None):
         return P.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
 
     wb = jax.jit(wbwd)(q, k, w, G, do, dfinal, rq, rk, ct)
-    # dS_end, and the chunks' dvn where walk_bwd makes it for chunk_bwd (baselines before: none)
+    # what chunk_bwd takes from walk_bwd: dS_end, and each chunk's dvn where walk_bwd makes it
+    # (baselines before: dS_end alone)
     takes_dvn = "dvn" in inspect.signature(P.chunk_bwd).parameters
-    dS_end = (wb[0], wb[2]) if takes_dvn else (wb[0],)
+    from_walk = (wb[0], wb[2]) if takes_dvn else (wb[0],)
 
-    def cbwd(q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct, **kw):
-        return P.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, *dS_end, do, rq, rk, ct,
+    def cbwd(q, k, v, beta, G, A, w, u, h, vn, from_walk, do, rq, rk, ct, **kw):
+        return P.chunk_bwd(q, k, v, beta, G, A, w, u, h, vn, None, *from_walk, do, rq, rk, ct,
                            scale=scale, **kw)
 
     calls = []
@@ -159,15 +160,15 @@ def primitive_calls(wl, backend: str, lib=None):
         ("fwd full: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
         ("fwd full: output", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
         ("bwd: walk_bwd", jax.jit(wbwd), (q, k, w, G, do, dfinal, rq, rk, ct)),
-        ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk,
-                                           ct)),
+        ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, from_walk, do, rq,
+                                           rk, ct)),
     ]
     if "deterministic" in inspect.signature(P.chunk_bwd).parameters:
         def cbwd_sum(*a):
             return cbwd(*a, deterministic=False)
 
         calls.append(("bwd: chunk_bwd, atomic group sum", jax.jit(cbwd_sum),
-                      (q, k, v, beta, G, A, w, u, h, vn, dS_end, do, rq, rk, ct)))
+                      (q, k, v, beta, G, A, w, u, h, vn, from_walk, do, rq, rk, ct)))
     if hasattr(P, "replay"):  # the light backward's replay (baselines before it lack it)
         calls.append(("bwd light: replay", jax.jit(P.replay), (k, v, beta, G, A, h0, rk, ct)))
     return calls
