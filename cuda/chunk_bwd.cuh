@@ -40,11 +40,13 @@
 // Where a stage's result is 64 x 128, each warpgroup's two blocks thus go out as one m64n64 chain
 // (half the A-operand reads from shared memory of two m64n32 chains), and a stage's chains go out
 // as one batch before one wait (cb_batch).
-// dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128);
-// dQ, dV are written as soon as they are final. Shared memory (K = V = 128: 209 KiB, 1 CTA /
-// SM), every bf16 tile as slabs (element (r, c) at slab_offset<rows>(r, c)): persistent Ks, dvn
-// (bf16, walk_bwd's), M (f32 64 x 64); a phase-A region (Q, dO, vn, h, dS, dGam) that phase B
-// reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V; small arrays.
+// dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128),
+// and so does M (stage 1's 64 x 64 block layout, stage 7 adds to it; its row and column sums
+// leave through small partial arrays); dQ, dV are written as soon as they are final. Shared
+// memory (K = V = 128: 192 KiB, 1 CTA / SM), every bf16 tile as slabs (element (r, c) at
+// slab_offset<rows>(r, c)): persistent Ks, dvn (bf16, walk_bwd's); a phase-A region (Q, dO, vn,
+// h, dS, dGam) that phase B reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V;
+// small arrays.
 // Loads: with bf16 inputs every operand goes by cp.async at stage 0 in two groups: what stage 1
 // reads (vn, q, k, dO, rstd; q, k are then scaled by rstd in place, each thread its own pieces:
 // the values a register pass would give), then h, dS_end, dvn, A and V, in flight during stage
@@ -63,9 +65,6 @@ static_assert(kChunk == 64, "chunk_bwd: the dg scan holds two rows per lane");
 template <typename In, int K, int V>
 struct ChunkBwdSmem {
   static constexpr bool kRaw = std::is_same_v<In, bf16>;  // q, k, dO, v copied as they are
-  // f32 pitch of M: the float2 accesses of the accumulator layout (stages 1, 7) and the tail's
-  // staggered row reads are free of bank conflicts (at 64: 8-way in stages 1, 7)
-  static constexpr int MP = kChunk + 8;
   static constexpr size_t kTK = size_t{kChunk} * K * sizeof(bf16);       // 64 x K: K / 64 slabs
   static constexpr size_t kTV = size_t{kChunk} * V * sizeof(bf16);       // 64 x V
   static constexpr size_t kTS = size_t{K} * V * sizeof(bf16);            // K x V: V / 64 slabs
@@ -73,9 +72,8 @@ struct ChunkBwdSmem {
   // persistent (every slab offset a multiple of 1024 from the aligned base)
   static constexpr size_t oKs = 0;
   static constexpr size_t oDu = oKs + kTK;
-  static constexpr size_t oM = oDu + kTV;
   // phase A
-  static constexpr size_t oQ = oM + size_t{kChunk} * MP * sizeof(float);
+  static constexpr size_t oQ = oDu + kTV;
   static constexpr size_t oDO = oQ + kTK;
   static constexpr size_t oVN = oDO + kTV;
   static constexpr size_t oH = oVN + kTV;
@@ -85,10 +83,11 @@ struct ChunkBwdSmem {
   // A (bf16, as stored) and V (bf16 inputs: copied at stage 0), read from stage 5 on
   static constexpr size_t oA = oDG + kTT;
   static constexpr size_t oV = oA + kTT;
-  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), dG, red,
-  // rstd_q, rstd_k of the chunk's rows
+  // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), M's row
+  // (64 x 2) and column (4 x 64) partial sums, dG, red, rstd_q, rstd_k of the chunk's rows
   static constexpr size_t oSmall = oV + kTV;
-  static constexpr int nSmall = 2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + kChunk + 32 + 2 * kChunk;
+  static constexpr int nSmall =
+      2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + 6 * kChunk + kChunk + 32 + 2 * kChunk;
   static constexpr size_t bytes = oSmall + nSmall * sizeof(float) + 1024;  // + alignment
   // phase B aliases
   static constexpr size_t oDw = oDS;   // 64 x K
@@ -269,12 +268,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
                      int HV, bool sum_groups, float scale) {
   using Sm = ChunkBwdSmem<In, K, V>;
-  constexpr int MP = Sm::MP;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
   unsigned char* Ks = smem + Sm::oKs;
   unsigned char* Du = smem + Sm::oDu;
-  float* sM = reinterpret_cast<float*>(smem + Sm::oM);
   float* sG = reinterpret_cast<float*>(smem + Sm::oSmall);
   float* sB = sG + kChunk;
   float* pa = sB + kChunk;       // [64][4] rowsum(dQg o Q e^G)
@@ -282,7 +279,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   float* pc = pb + 4 * kChunk;   // [64][4] rowsum(dbV o V)
   float* pd = pc + 4 * kChunk;   // [64][4] rowsum(dbK o K)
   float* pe = pd + 4 * kChunk;   // [64][2] rowsum(N)
-  float* sdG = pe + 2 * kChunk;  // [64]
+  float* pmr = pe + 2 * kChunk;  // [64][2] M's row sums, a warpgroup's 32 columns each
+  float* pmc = pmr + 2 * kChunk;  // [4][64] M's column sums, 16 rows each
+  float* sdG = pmc + 4 * kChunk;  // [64]
   float* sRed = sdG + kChunk;    // [32]
   float* sRq = sRed + 32;        // [64] rstd_q (bf16 inputs with L2 norm)
   float* sRk = sRq + kChunk;     // [64] rstd_k
@@ -379,7 +378,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   const float GC = sG[len - 1];
 
-  // ---- stage 1: Att (registers), datt -> M = datt o Att (f32), dGam (bf16)
+  // ---- stage 1: Att (registers), datt -> M = datt o Att (f32, registers until stage 7: this
+  // thread's elements of the stage's 64 x 64 block), dGam (bf16)
+  float mm[4][4];
   {
     int m0, n0;
     cb_tile_pos<1>(0, m0, n0);
@@ -392,7 +393,6 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     cb_end(att, dd);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      float m[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
@@ -400,11 +400,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         const float a = gam * att[nt][e];
         const float datt = j <= i ? scale * dd[nt][e] : 0.f;
         dd[nt][e] = datt * gam;
-        m[e] = datt * a;
+        mm[nt][e] = datt * a;
       }
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
-      *reinterpret_cast<float2*>(sM + i0 * MP + j) = make_float2(m[0], m[1]);
-      *reinterpret_cast<float2*>(sM + i1 * MP + j) = make_float2(m[2], m[3]);
       cb_st2(at64(DGm, i0, j), dd[nt][0], dd[nt][1]);
       cb_st2(at64(DGm, i1, j), dd[nt][2], dd[nt][3]);
     }
@@ -599,25 +597,37 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j0 = cb_col(n0, nt, 0);
-      float2 mr[2] = {*reinterpret_cast<const float2*>(sM + i0 * MP + j0),
-                      *reinterpret_cast<const float2*>(sM + i1 * MP + j0)};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
         const float dlg = j < i ? -exp_ftz(sG[i] - sG[j]) * acc[nt][e] : 0.f;
         const float n = dlg * kk[nt][e];
         s[e >> 1] += n;
-        float& mv = e & 1 ? mr[e >> 1].y : mr[e >> 1].x;
-        mv += sB[i] * n;
+        mm[nt][e] += sB[i] * n;
         acc[nt][e] = sB[i] * dlg;
       }
-      *reinterpret_cast<float2*>(sM + i0 * MP + j0) = mr[0];
-      *reinterpret_cast<float2*>(sM + i1 * MP + j0) = mr[1];
-      cb_st2(at64(DKK, i0, j0), acc[nt][0], acc[nt][1]);
-      cb_st2(at64(DKK, i1, j0), acc[nt][2], acc[nt][3]);
+      const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
+      cb_st2(at64(DKK, i0, j), acc[nt][0], acc[nt][1]);
+      cb_st2(at64(DKK, i1, j), acc[nt][2], acc[nt][3]);
     }
     cb_row_partial(s[0], s[1], pe, 2, m0, n0);
+    // M's partial sums: rows over this warpgroup's 32 columns (quad shuffles), columns over this
+    // warp's 16 rows (shuffles over g), each in a fixed order
+    float r[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) r[e >> 1] += mm[nt][e];
+    cb_row_partial(r[0], r[1], pmr, 2, m0, n0);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        float c = mm[nt][b] + mm[nt][2 + b];
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+        if (lane < 4) pmc[(m0 / 16) * kChunk + cb_col(n0, nt, b)] = c;
+      }
   }
   fence_proxy_async();
   __syncthreads();  // dKK, M, partial sums complete
@@ -640,12 +650,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   }
   if (tid < kChunk) {
     const int i = tid;
-    float rs = 0.f, cs_ = 0.f;
-#pragma unroll 8
-    for (int jj = 0; jj < kChunk; ++jj) {
-      rs += sM[i * MP + ((jj + i) & (kChunk - 1))];  // staggered: no bank conflicts
-      cs_ += sM[jj * MP + i];
-    }
+    const float rs = pmr[i * 2] + pmr[i * 2 + 1];
+    const float cs_ = (pmc[i] + pmc[kChunk + i]) + (pmc[2 * kChunk + i] + pmc[3 * kChunk + i]);
     float a = 0.f, b = 0.f, cc = 0.f, d = 0.f;
 #pragma unroll
     for (int p = 0; p < K / 32; ++p) {
