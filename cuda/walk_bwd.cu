@@ -68,13 +68,16 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   JCG_CHECK_ARG(dims_are(dvn->dimensions(), {NC, HV, kChunk, V}),
                 "dvn must be bf16[NC, HV, 64, V], got shape " + dims_str(dvn->dimensions()));
 
-  JCG_CHECK_ARG(NC * HV * kChunk < (int64_t{1} << 31), "NC * HV * 64 must be below 2^31");
-  // dvn as [NC * HV * 64 rows, V]: the kernel stores one 64 x 64 box a (chunk, head, warpgroup)
-  CUtensorMap dvn_map{};
+  JCG_CHECK_ARG(NC * HV * K < (int64_t{1} << 31), "NC * HV * K must be below 2^31");
+  // dvn as [NC * HV * 64 rows, V] and dS_end as [NC * HV * K rows, V]: the kernel stores one
+  // 64-column box of each a (chunk, head, warpgroup)
+  CUtensorMap dvn_map{}, dS_end_map{};
   if (NC * HV > 0) {
-    const std::string e =
-        make_tma_rows_bf16(&dvn_map, dvn->untyped_data(), NC * HV * kChunk, V, kChunk);
+    std::string e = make_tma_rows_bf16(&dvn_map, dvn->untyped_data(), NC * HV * kChunk, V, kChunk);
     if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dvn map: " + e);
+    e = make_tma_rows_bf16(&dS_end_map, dS_end->untyped_data(), NC * HV * K, V,
+                           static_cast<uint32_t>(K));
+    if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dS_end map: " + e);
   }
 
   JCG_CHECK_CUDA(poison(stream, *dS_end));
@@ -102,7 +105,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                        chunk_start.typed_data(), chunk_len.typed_data(),
                        seg_first.typed_data(), seg_last.typed_data(), seg_len.typed_data(),
                        seg_order.typed_data(),
-                       static_cast<bf16*>(dS_end->untyped_data()),
+                       static_cast<bf16*>(dS_end->untyped_data()), dS_end_map,
                        static_cast<bf16*>(dvn->untyped_data()), dvn_map, dh0->typed_data(), T,
                        static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
                        static_cast<int>(NC), scale);

@@ -20,7 +20,7 @@
 // producer converts one 64 x VT tile a chunk. It waits for its copies, fences them
 // (fence.proxy.async) and arrives at the barrier that opens the chunk; the compute warps issue
 // no copies. Per chunk, the compute warps:
-//   top: Sb = bf16(dS) (and dS_end[c] from it)
+//   top: Sb = bf16(dS) (and dS_end[c] from it, a TMA store)
 //   Att (kScores = false): Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT =
 //        128), gated with rk (wg_gate_scores, wg_acc.cuh) into the Att slab times rq: the output
 //        kernel's saved scores bit for bit; with saved scores the producer's copy of them
@@ -143,6 +143,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        const int32_t* __restrict__ seg_last,
                        const int32_t* __restrict__ seg_len,
                        const int32_t* __restrict__ seg_order, bf16* __restrict__ dS_end,
+                       const __grid_constant__ CUtensorMap dS_end_map,
                        bf16* __restrict__ dvn, const __grid_constant__ CUtensorMap dvn_map,
                        float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
                        float scale) {
@@ -320,10 +321,10 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     const float eGC = exp_ftz(GC);
     wg_write_sb<K>(S, Sb, wq);
     fence_proxy_async();
-    warpgroup_sync(wg);  // Sb ready (read by its own warpgroup only)
-    // dS_end[c] = the carried gradient (bf16)
-    wg_copy_sb<K>(Sb, dS_end + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0 + 64 * wg,
-                  V, tid & 127);
+    warpgroup_sync(wg);  // Sb ready (read by its own warpgroup and its TMA store only)
+    // dS_end[c] = the carried gradient (bf16): one TMA store of Sb (its read is waited for with
+    // dvn's, before the next chunk writes Sb)
+    if ((tid & 127) == 0) tma_store_2d(&dS_end_map, Sb, v0 + 64 * wg, (c * HV + hv) * K);
 
     // acc = Ks Sb (and this warpgroup's columns of Att = Qs Ks^T when recomputed)
     float acc[32];
@@ -416,7 +417,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     wg_issue_state_update<K, -1>(S, Ws, Dvn);
     wgmma_commit();
     wgmma_wait<0>();
-    if ((tid & 127) == 0) tma_store_wait_read();
+    if ((tid & 127) == 0) tma_store_wait_read();  // Sb and Dvn may be written again
 #pragma unroll
     for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
   }
