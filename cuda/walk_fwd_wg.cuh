@@ -675,17 +675,11 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           for (int sl = 0; sl < K / 64; ++sl)
             tma_store_3d(&a.tm_wout, Ws + sl * Sm::kSlab, 64 * sl, hv, cs.start);
         }
-      } else {  // rows past len are the next document's: 16-byte pieces of rows < len
-        using P = TilePieces<kChunk, K, kCompute>;
-        const auto w_at = slab_at<kChunk>(const_cast<unsigned char*>(Ws));
+      } else {  // rows past len are the next document's: 16-byte stores of rows < len
         bf16* w_rows = a.w_out + (cs.start * HV + hv) * K;
-#pragma unroll
-        for (int j = 0; j < P::kPer; ++j) {
-          const int t = P::row0() + j * P::kRowStep, c8 = P::col();
-          if (t < len)
-            *reinterpret_cast<uint4*>(w_rows + t * int64_t{HV} * K + c8) =
-                *reinterpret_cast<const uint4*>(w_at(t, c8));
-        }
+        for (int sl = wg; sl < K / 64; sl += Sm::kWarpgroups)
+          wg_copy_slab<kChunk>(Ws + sl * Sm::kSlab, w_rows + 64 * sl, int64_t{HV} * K, len,
+                               threadIdx.x % 128);
       }
     }
     wgmma_wait<0>();
