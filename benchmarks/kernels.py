@@ -136,6 +136,14 @@ def primitive_calls(wl, backend: str, lib=None):
             return P.walk_output(q, k, w, u, G, h0, rq, rk, ct, scale=scale, out_dtype=act)
 
         light = [("fwd light: walk_output", jax.jit(walk_out), (q, k, w, u, G, h0, rq, rk, ct))]
+    full = []
+    if "tapes" in inspect.signature(P.walk_output).parameters:  # the full forward's walk
+        def walk_tapes(q, k, v, beta, A, G, h0, rq, rk, ct):
+            return P.walk_output(q, k, v, beta, A, G, h0, rq, rk, ct, scale=scale,
+                                 out_dtype=act, tapes=True)
+
+        full = [("fwd full: walk_output, tapes", jax.jit(walk_tapes),
+                 (q, k, v, beta, A, G, h0, rq, rk, ct))]
 
     def wbwd(q, k, w, G, do, dfinal, rq, rk, ct):
         return P.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
@@ -159,6 +167,7 @@ def primitive_calls(wl, backend: str, lib=None):
         ("fwd full: prep", jax.jit(P.prep), (k, v, beta, G, rk, ct)),
         ("fwd full: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
         ("fwd full: output", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
+        *full,
         ("bwd: walk_bwd", jax.jit(wbwd), (q, k, w, G, do, dfinal, rq, rk, ct)),
         ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, from_walk, do, rq,
                                            rk, ct)),

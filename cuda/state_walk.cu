@@ -254,16 +254,19 @@ std::string walk_output_maps(WalkFwdArgs<bf16, Out>& a, int64_t T, int64_t H, in
   return e.empty() ? from_a_maps(a, T, H, HV, K, V, NC) : e;
 }
 
-ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::BF16> A,
-                            ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
-                            ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
-                            ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
-                            ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
-                            ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
-                            float scale,
-                            ffi::Result<ffi::AnyBuffer> o,
-                            ffi::ResultBuffer<ffi::F32> final_state) {
+// walk_output and walk_output_tapes (tapes: h, v_new, w, each null for walk_output).
+ffi::Error walk_output_run(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::BF16> A,
+                           ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
+                           ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                           ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                           ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
+                           ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
+                           float scale, ffi::Result<ffi::AnyBuffer> o,
+                           ffi::ResultBuffer<ffi::F32> final_state,
+                           ffi::ResultBuffer<ffi::BF16>* h, ffi::ResultBuffer<ffi::BF16>* v_new,
+                           ffi::ResultBuffer<ffi::BF16>* w) {
+  const bool tapes = h != nullptr;
   JCG_CHECK_MSG(check_q_k(q, k));
   const auto qd = q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
@@ -284,9 +287,20 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                 std::string("o must be bfloat16 or float32, got ") + dtype_name(odt));
   JCG_CHECK_ARG(dims_are(final_state->dimensions(), {S, HV, K, V}),
                 "final must be f32[S, HV, K, V], got shape " + dims_str(final_state->dimensions()));
+  if (tapes) {
+    JCG_CHECK_MSG(check_tapes((*h)->dimensions(), (*v_new)->dimensions(),
+                              final_state->dimensions(), NC, T, S, HV, K, V));
+    JCG_CHECK_ARG(dims_are((*w)->dimensions(), {T, HV, K}),
+                  "w must be bf16[T, HV, K], got shape " + dims_str((*w)->dimensions()));
+  }
 
   JCG_CHECK_CUDA(poison(stream, o->untyped_data(), o->size_bytes()));
   JCG_CHECK_CUDA(poison(stream, *final_state));
+  if (tapes) {
+    JCG_CHECK_CUDA(poison(stream, **h));
+    JCG_CHECK_CUDA(poison(stream, **v_new));
+    JCG_CHECK_CUDA(poison(stream, **w));
+  }
   cudaError_t err = cudaSuccess;
   std::string map_err;
   dispatch_float_type(q.element_type(), [&](auto tag) {
@@ -307,15 +321,28 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
           a.rstd_q = has_rq ? rstd_q.typed_data() : nullptr;
           a.o = static_cast<Out*>(o->untyped_data());
           a.scale = scale;
-          if constexpr (std::is_same_v<Out, bf16>) {  // the compute warps' TMA stores of o
-            if (NC * HV > 0 && T > 0) map_err = token_map(&a.tm_o, a.o, T, HV, VT);
+          const bool stores = NC * HV > 0 && T > 0;  // the compute warps' TMA stores
+          if constexpr (std::is_same_v<Out, bf16>) {
+            if (stores) map_err = token_map(&a.tm_o, a.o, T, HV, VT);
             if (!map_err.empty()) return;
+          }
+          if (tapes) {
+            a.h = static_cast<bf16*>((*h)->untyped_data());
+            a.v_new = static_cast<bf16*>((*v_new)->untyped_data());
+            a.w_out = static_cast<bf16*>((*w)->untyped_data());
+            if (stores) {
+              map_err = h_map(&a.tm_h, a.h, NC, HV, KD, VT);
+              if (map_err.empty()) map_err = token_map(&a.tm_wout, a.w_out, T, HV, KD);
+              if (map_err.empty()) map_err = token_map(&a.tm_vnew, a.v_new, T, HV, VT);
+              if (!map_err.empty()) return;
+            }
           }
           if constexpr (std::is_same_v<In, bf16>) {
             map_err = walk_output_maps(a, T, H, HV, KD, VT, NC);
             if (!map_err.empty()) return;
           }
-          err = launch_walk<WalkMode::kOut, In, Out, KD, VT>(a, S, stream);
+          err = tapes ? launch_walk<WalkMode::kOutTapes, In, Out, KD, VT>(a, S, stream)
+                      : launch_walk<WalkMode::kOut, In, Out, KD, VT>(a, S, stream);
         });
       });
     });
@@ -323,6 +350,35 @@ ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   if (!map_err.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": " + map_err);
   JCG_CHECK_CUDA(err);
   return ffi::Error::Success();
+}
+
+ffi::Error walk_output_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::BF16> A,
+                            ffi::Buffer<ffi::F32> G, ffi::Buffer<ffi::F32> h0,
+                            ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                            ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                            ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
+                            ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
+                            float scale, ffi::Result<ffi::AnyBuffer> o,
+                            ffi::ResultBuffer<ffi::F32> final_state) {
+  return walk_output_run(stream, q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
+                         seg_first, seg_last, seg_len, seg_order, scale, o, final_state, nullptr,
+                         nullptr, nullptr);
+}
+
+ffi::Error walk_output_tapes_impl(
+    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::BF16> A, ffi::Buffer<ffi::F32> G,
+    ffi::Buffer<ffi::F32> h0, ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+    ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+    ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
+    ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order, float scale,
+    ffi::Result<ffi::AnyBuffer> o, ffi::ResultBuffer<ffi::F32> final_state,
+    ffi::ResultBuffer<ffi::BF16> h, ffi::ResultBuffer<ffi::BF16> v_new,
+    ffi::ResultBuffer<ffi::BF16> w) {
+  return walk_output_run(stream, q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
+                         seg_first, seg_last, seg_len, seg_order, scale, o, final_state, &h,
+                         &v_new, &w);
 }
 
 }  // namespace
@@ -349,6 +405,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output, jax_cake_gdn::walk_outpu
                                   .Attr<float>("scale")
                                   .Ret<xla::ffi::AnyBuffer>()              // o
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output_tapes,
+                              jax_cake_gdn::walk_output_tapes_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // q
+                                  .Arg<xla::ffi::AnyBuffer>()              // k
+                                  .Arg<xla::ffi::AnyBuffer>()              // v
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
+                                  .Attr<float>("scale")
+                                  .Ret<xla::ffi::AnyBuffer>()              // o
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // final
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // w
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 #undef JCG_HANDLER_NAME

@@ -77,15 +77,16 @@
 
 namespace jax_cake_gdn {
 
-// Operands of walk_fwd_wg_kernel (WalkMode): q, rstd_q, o, scale: kOut only; v, beta, A: kOut and
-// kReplay; w, u: kTapes; h, v_new: kTapes and kReplay; w_out: kReplay.
+// Operands of walk_fwd_wg_kernel (WalkMode): q, rstd_q, o, scale: kOut, kOutTapes; v, beta, A:
+// all but kTapes; w, u: kTapes; h, v_new: all but kOut; w_out: kReplay, kOutTapes.
 template <typename In, typename Out>
 struct WalkFwdArgs {
   // bf16 inputs: the producer's TMA loads (kOut: q, k, v, A; kTapes: k, w, u; kReplay: k, v, A)
   CUtensorMap tm_q, tm_k, tm_v, tm_A, tm_w, tm_u;
-  // the compute warps' TMA stores: h (kReplay, [NC * HV * K rows, V]); w_out (kReplay) and o
-  // (kOut, bf16 o) as token arrays [T, heads, D], for whole chunks
-  CUtensorMap tm_h, tm_wout, tm_o;
+  // the compute warps' TMA stores: h (kReplay, kOutTapes: [NC * HV * K rows, V]); w_out
+  // (kReplay, kOutTapes), o (bf16 o) and v_new (kOutTapes) as token arrays [T, heads, D], for
+  // whole chunks
+  CUtensorMap tm_h, tm_wout, tm_o, tm_vnew;
   const In* q;
   const In* k;
   const In* v;
@@ -120,11 +121,17 @@ enum class WalkMode {
             // tape, v_new, w and the final state out (the light backward's replay)
   kOut,     // q, k, v, beta, A in, w and u made on chip; o and the final state out (the light
             // forward)
+  kOutTapes,  // kOut plus kReplay's tapes out: h, v_new, w (the full forward, no second walk)
 };
+
+// kOut and kOutTapes share every input and product; kOutTapes also stores the tapes.
+constexpr bool walk_outputs_o(WalkMode m) {
+  return m == WalkMode::kOut || m == WalkMode::kOutTapes;
+}
 
 template <WalkMode M, int K, int V>
 struct WalkFwdWgSmem {
-  static constexpr bool kOut = M == WalkMode::kOut, kFromA = M != WalkMode::kTapes;
+  static constexpr bool kOut = walk_outputs_o(M), kFromA = M != WalkMode::kTapes;
   static constexpr bool kReplay = M == WalkMode::kReplay;
   static constexpr int kWarpgroups = V / 64;  // compute warpgroups
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
@@ -136,8 +143,12 @@ struct WalkFwdWgSmem {
   static constexpr size_t oWs = oK + 2 * kTok;                           // 2 buffers
   static constexpr size_t oUs = oWs + 2 * kTok;  // 2 buffers of V / 64 slabs [token][v]
   static constexpr size_t oSb = oUs + 2 * kWarpgroups * kSlab;  // per warpgroup (tapes)
+  // kOutTapes, per warpgroup: h (K x 64, at oSb) and v_new (64 x 64) on their way out
+  static constexpr size_t oHt = oSb, oVt = oHt + kWarpgroups * size_t{K} * 128;
   // per warpgroup: Vd (tapes), o on its way to token rows (kOut)
-  static constexpr size_t oVd = oSb + (kOut ? 0 : kWarpgroups * size_t{K} * 128);
+  static constexpr size_t oVd = M == WalkMode::kOut       ? oSb
+                                : M == WalkMode::kOutTapes ? oVt + kWarpgroups * kSlab
+                                                           : oSb + kWarpgroups * size_t{K} * 128;
   static constexpr size_t oQ = oVd + kWarpgroups * kSlab;                // kOut: 2 buffers
   static constexpr size_t oAtt = oQ + (kOut ? 2 * kTok : 0);             // kOut: [i][j]
   // the producer's A_u and A_w (kFromA; A lands in A_u; kReplay: A_u 2 buffers, the compute
@@ -183,7 +194,8 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     walk_fwd_wg_kernel(const __grid_constant__ WalkFwdArgs<In, Out> a) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(V == 64 || V == 128, "V = 64 or 128");
-  constexpr bool kOut = M == WalkMode::kOut, kReplay = M == WalkMode::kReplay;
+  constexpr bool kOut = walk_outputs_o(M), kReplay = M == WalkMode::kReplay;
+  constexpr bool kOutTapes = M == WalkMode::kOutTapes;
   using Sm = WalkFwdWgSmem<M, K, V>;
   constexpr bool kFromA = Sm::kFromA;  // kOut, kReplay: w, u made from A
   using Regs = WalkFwdWgRegs<M, V>;
@@ -488,9 +500,14 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     // update. The chain never goes through shared memory.
     float ST[K / 2];
     wg_state_rw_t<K>(ST, const_cast<float*>(a.h0) + state0, V, false, wq);
+    const int t128 = threadIdx.x % 128;
+    // kOutTapes: h and v_new on their way out (this warpgroup's 64 value columns)
+    [[maybe_unused]] unsigned char* Ht = smem + Sm::oHt + wg * size_t{K} * 128;
+    [[maybe_unused]] unsigned char* Vt = smem + Sm::oVt + wg * Sm::kSlab;
     if (!empty) {
       unsigned char* Ot = smem + Sm::oVd + wg * Sm::kSlab;  // o back to token rows
       Out* o_cols = a.o + int64_t{hv} * V + 64 * wg;
+      [[maybe_unused]] bf16* vn_cols = a.v_new + int64_t{hv} * V + 64 * wg;
       ChunkSpan next = span(c_first);
       for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
         const ChunkSpan cs = next;
@@ -537,6 +554,27 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
               att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
         }
         wgmma_commit();
+        if constexpr (kOutTapes) {
+          // h[c] = bf16(S) (S^T transposed, one slab a 64-key block; Ht's last store was read
+          // before the last chunk's o) while the products run; then w's token rows from the
+          // producer's slabs, as kReplay
+          wg_stsm_t<K>(ST, Ht, wq);
+          fence_proxy_async();
+          warpgroup_sync(wg);
+          if (t128 == 0) tma_store_2d(&a.tm_h, Ht, 64 * wg, (c * HV + hv) * K);
+          if (len == kChunk) {
+            if (threadIdx.x == 0) {
+#pragma unroll
+              for (int sl = 0; sl < K / 64; ++sl)
+                tma_store_3d(&a.tm_wout, w_slabs(b) + sl * Sm::kSlab, 64 * sl, hv, cs.start);
+            }
+          } else {  // rows past len are the next document's: 16-byte stores of rows < len
+            bf16* w_rows = a.w_out + (cs.start * HV + hv) * K;
+            for (int sl = wg; sl < K / 64; sl += Sm::kWarpgroups)
+              wg_copy_slab<kChunk>(w_slabs(b) + sl * Sm::kSlab, w_rows + 64 * sl,
+                                   int64_t{HV} * K, len, t128);
+          }
+        }
         wgmma_wait<1>();
         wgmma_fence_operand(acc);
         uint32_t vn[kChunk / 16][4], vd[kChunk / 16][4];  // bf16(v_new^T), bf16(v_new^T diag(d))
@@ -570,20 +608,32 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         wgmma_wait<0>();
         wgmma_fence_operand(oacc);
         wgmma_fence_operand(ST);
-        // o = scale rq o (the producer's rO), token rows < len
-        if constexpr (std::is_same_v<Out, bf16>) {  // through Ot: a TMA store of whole chunks
-          if (threadIdx.x % 128 == 0) tma_store_wait_read();  // the last chunk's store read Ot
+        // o = scale rq o (the producer's rO), token rows < len; kOutTapes: v_new's likewise
+        constexpr bool kOt = std::is_same_v<Out, bf16>;  // o through Ot
+        if constexpr (kOt || kOutTapes) {  // TMA stores of whole chunks
+          // this thread's earlier stores have read their slabs (Ot, Ht, Vt, w's)
+          if (t128 == 0) tma_store_wait_read();
           warpgroup_sync(wg);
-          wg_stsm_cols_t(oacc, Ot, wq, rO);
+          if constexpr (kOt) wg_stsm_cols_t(oacc, Ot, wq, rO);
+          if constexpr (kOutTapes) {
+#pragma unroll
+            for (int ts = 0; ts < kChunk / 16; ++ts) wg_stsm_frag_t(vn[ts], Vt, ts, wq);
+          }
           fence_proxy_async();
           warpgroup_sync(wg);
+          const int64_t ld = int64_t{HV} * V;
           if (len == kChunk) {
-            if (threadIdx.x % 128 == 0) tma_store_3d(&a.tm_o, Ot, 64 * wg, hv, cs.start);
+            if (t128 == 0) {
+              if constexpr (kOt) tma_store_3d(&a.tm_o, Ot, 64 * wg, hv, cs.start);
+              if constexpr (kOutTapes) tma_store_3d(&a.tm_vnew, Vt, 64 * wg, hv, cs.start);
+            }
           } else {  // rows past len are the next document's: 16-byte stores of rows < len
-            wg_copy_slab<kChunk>(Ot, o_cols + cs.start * int64_t{HV} * V, int64_t{HV} * V, len,
-                                 threadIdx.x % 128);
+            if constexpr (kOt) wg_copy_slab<kChunk>(Ot, o_cols + cs.start * ld, ld, len, t128);
+            if constexpr (kOutTapes)
+              wg_copy_slab<kChunk>(Vt, vn_cols + cs.start * ld, ld, len, t128);
           }
-        } else {  // f32 o: 4-byte stores, element (v, t) of o^T to token row t
+        }
+        if constexpr (!kOt) {  // f32 o: 4-byte stores, element (v, t) of o^T to token row t
           wg_scale_cols<64>(oacc, rO);
           const int64_t ld = int64_t{HV} * V;
           Out* ob = o_cols + cs.start * ld + 16 * wq + g;
@@ -598,6 +648,22 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
       }
     }
     wg_state_rw_t<K>(ST, fin, V, true, wq);
+    if constexpr (kOutTapes) {  // the unused chunks' h, as kReplay fills them
+      if (empty) {
+        if (s == 0 && NC > 0 && a.clen[0] <= 0) {  // no used chunk: h is all zero
+          for (int c = 0; c < NC; ++c)  // warp w zeroes columns 16 w..
+            state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride, V);
+        }
+      } else if (c_last + 1 < NC && a.clen[c_last + 1] <= 0) {  // the exit state
+        if (t128 == 0) tma_store_wait_read();
+        warpgroup_sync(wg);
+        wg_stsm_t<K>(ST, Ht, wq);
+        warpgroup_sync(wg);
+        for (int c = c_last + 1; c < NC; ++c)
+          wg_copy_sb<K>(Ht, a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride + 64 * wg,
+                        V, t128);
+      }
+    }
     if (threadIdx.x % 128 == 0) tma_store_wait();
     return;
   }

@@ -74,6 +74,27 @@ __device__ __forceinline__ void wg_stsm_cols_t(const float (&x)[32], unsigned ch
   }
 }
 
+// One k16 step of a transposed accumulator as A fragments (wg_acc_to_a: columns 16 ts..16 ts +
+// 15) into the slab of wg_stsm_cols_t (unscaled): element (r, c) at sw128_offset(c, r).
+__device__ __forceinline__ void wg_stsm_frag_t(const uint32_t (&a)[4], unsigned char* slab,
+                                               int ts, int wq) {
+  const int lane = threadIdx.x & 31;
+  const int col = 16 * wq + 8 * ((lane >> 3) & 1), row_in = (lane & 7) + 8 * (lane >> 4);
+  stsm_x4_t(slab + sw128_offset(16 * ts + row_in, col), a[0], a[1], a[2], a[3]);
+}
+
+// A 64 x N accumulator transposed as bf16 into N / 64 such slabs: element (r, c)
+// in slab c / 64 (slabs 8 KB apart) at sw128_offset(c % 64, r); the bf16 values of wg_acc_to_a.
+template <int N>
+__device__ __forceinline__ void wg_stsm_t(const float (&x)[N / 2], unsigned char* slabs, int wq) {
+#pragma unroll
+  for (int ts = 0; ts < N / 16; ++ts) {
+    uint32_t a[4];
+    wg_acc_to_a<N>(x, ts, a);
+    wg_stsm_frag_t(a, slabs + (ts / 4) * (kChunk * 128), ts % 4, wq);
+  }
+}
+
 // Column c of a 64 x N accumulator times f[c] (f: N floats, shared memory).
 template <int N>
 __device__ __forceinline__ void wg_scale_cols(float (&x)[N / 2], const float* f) {

@@ -40,22 +40,20 @@ def _forward(cfg: _Config, q, k, v, g, beta, h0, ct: ChunkTable):
     rk = P.l2norm_rstd(k) if cfg.qk_l2norm else None
     G = P.gate_cumsum(g, ct)
     full = cfg.save_mode == "full"
-    if cfg.with_output and not full:  # light: only A is kept; the walk makes w, u and emits o
+    if cfg.with_output:  # A alone; one walk makes w, u and emits o (full: and the tapes)
         A = P.solve_a(k, beta, G, rk, ct)
-        o, final = P.walk_output(q, k, v, beta, A, G, h0, rq, rk, ct, scale=cfg.scale,
-                                 out_dtype=v.dtype)
-        scores = None
-    else:
+        out = P.walk_output(q, k, v, beta, A, G, h0, rq, rk, ct, scale=cfg.scale,
+                            out_dtype=v.dtype, tapes=full)
+        o, final = out[:2]
+        if full:
+            w, u, h, v_new = out[2:]
+    else:  # exit states only (kcp's transfer walk)
         A, w, u = P.prep(k, v, beta, G, rk, ct)
         h, v_new, final = P.state_walk(k, w, u, G, h0, rk, ct)
-        if cfg.with_output:
-            o, scores = P.output(q, k, G, h, v_new, rq, rk, ct, scale=cfg.scale,
-                                 out_dtype=v.dtype, with_scores=full)
-        else:
-            o, scores = jnp.zeros(v.shape[:2] + (0,), v.dtype), None
+        o = jnp.zeros(v.shape[:2] + (0,), v.dtype)
     res = dict(q=q, k=k, v=v, beta=beta, h0=h0, G=G, A=A, rstd_q=rq, rstd_k=rk)
     if full:
-        res.update(w=w, u=u, h=h, v_new=v_new, scores=scores)
+        res.update(w=w, u=u, h=h, v_new=v_new)
     return (o, final), (_name(res), ct)
 
 
@@ -67,13 +65,12 @@ def _backward(cfg: _Config, residuals, cts):
     rq, rk = res["rstd_q"], res["rstd_k"]
     if not cfg.with_output:
         do = jnp.zeros(v.shape, v.dtype)
-    if cfg.save_mode == "full":
-        w, u, h, v_new, scores = res["w"], res["u"], res["h"], res["v_new"], res["scores"]
+    if cfg.save_mode == "full":  # the forward walk's tapes, bit for bit the replay's
+        w, u, h, v_new = res["w"], res["u"], res["h"], res["v_new"]
     else:  # light: replay w, u (bitwise as prep made them) and the state walk
         w, u, h, v_new = P.replay(k, v, beta, G, A, res["h0"], rk, ct)
-        scores = None
-    dS_end, dh0, dvn = P.walk_bwd(q, k, w, G, do, dfinal, scores, rq, rk, ct, scale=cfg.scale)
-    dq, dk, dv, dg, dbeta = P.chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn,
+    dS_end, dh0, dvn = P.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=cfg.scale)
+    dq, dk, dv, dg, dbeta = P.chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, None, dS_end, dvn,
                                         do, rq, rk, ct, scale=cfg.scale,
                                         deterministic=cfg.deterministic)
     return dq, dk, dv, dg, dbeta, dh0, None

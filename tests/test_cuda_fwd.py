@@ -37,12 +37,12 @@ from jax_cake_gdn import gdn, primitives
 from jax_cake_gdn.chunks import chunk_table
 from jax_cake_gdn.primitives import cuda
 
-# the forward's custom calls by save mode: light makes A alone (solve_a) and fuses w, u, the walk
-# and the output (no w, u, h, v_new in HBM); full: prep makes A, w and u in one kernel
+# the forward's custom calls by save mode: both make A alone (solve_a) and fuse w, u, the walk and
+# the output in one kernel; light keeps none of w, u, h, v_new, full stores w, h, v_new from it
 FWD_TARGETS = {"light": ("gate_cumsum", "l2norm_rstd", "solve_a", "walk_output"),
-               "full": ("gate_cumsum", "l2norm_rstd", "prep", "state_walk", "output")}
-FWD_UNWANTED = {"light": {"prep", "replay", "state_walk", "output"},
-                "full": {"solve_a", "replay", "walk_output"}}
+               "full": ("gate_cumsum", "l2norm_rstd", "solve_a", "walk_output_tapes")}
+FWD_UNWANTED = {"light": {"prep", "replay", "state_walk", "output", "walk_output_tapes"},
+                "full": {"prep", "replay", "state_walk", "output", "walk_output"}}
 # documents: a length-1 one, an empty one, 63, 64, 65, another empty one, 1000 (T = 1193)
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)
 # a long document (192 chunks, as B23's longest) between short ones and an empty one (T = 13354)
@@ -150,6 +150,14 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         owp, finwp = C.walk_output(q, k, v, beta, Ac, G, h0, rq, rk, ct, scale=scale,
                                    out_dtype=v.dtype)
         out["walk_output.o~sep"], out["walk_output.final~sep"] = (owp, osep), (finwp, finp)
+        # the full forward's walk: the replay's tapes and walk_output's o and exit states (keys
+        # "walk_output_tapes...": bitwise equal expected; light == full in the backward)
+        owt, finwt, wt, ut, ht, vnt = C.walk_output(q, k, v, beta, Ac, G, h0, rq, rk, ct,
+                                                    scale=scale, out_dtype=v.dtype, tapes=True)
+        assert ut is None
+        out["walk_output_tapes.h"], out["walk_output_tapes.v_new"] = (ht, hr), (vnt, vnr)
+        out["walk_output_tapes.w"], out["walk_output_tapes.final"] = (wt, wr), (finwt, finr)
+        out["walk_output_tapes.o"] = (owt, owp)
         o, sc = X.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
                          with_scores=True)
         oc, scc = C.output(q, k, G, hb, vnb, rq, rk, ct, scale=scale, out_dtype=v.dtype,
@@ -201,8 +209,8 @@ def _targets(hlo) -> set:
 @pytest.mark.parametrize("qk_l2norm", [True, False])
 def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     """Every forward primitive is a custom call, and the forward has no while loop: the state walk
-    is a kernel, not a scan. The light forward runs the fused walk_output (no h tape, no v_new);
-    full keeps them, so it runs state_walk and output."""
+    is a kernel, not a scan. Both modes run solve_a and one fused walk; light's (walk_output)
+    keeps no h tape or v_new, full's (walk_output_tapes) also returns h, v_new and w."""
     need_ext()
     args = _abstract_inputs()
     hlo = _lower_cuda(_fwd("cuda", qk_l2norm, save_mode), *args)
@@ -211,26 +219,17 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     assert want <= targets, (want, targets)
     assert not targets & FWD_UNWANTED[save_mode], targets
     assert "stablehlo.while" not in hlo
-    # light: A bf16 out of solve_a, into walk_output; full: A, w, u bf16 out of prep (w, u into
-    # the walk), h and v_new bf16 out of state_walk, into output
-    if save_mode == "light":
-        sa = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_solve_a" in ln]
-        wo = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_walk_output" in ln]
-        assert len(sa) == 1 and len(wo) == 1, (sa, wo)
-        assert re.search(r"-> tensor<\d+x6x64x64xbf16>", sa[0]), sa[0]
-        assert re.search(r"tensor<300x6xf32>, tensor<\d+x6x64x64xbf16>", wo[0]), wo[0]
-    else:
-        pr = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_prep" in ln]
-        assert len(pr) == 1 and re.search(
-            r"-> \(tensor<\d+x6x64x64xbf16>, tensor<300x6x128xbf16>, "
-            r"tensor<300x6x128xbf16>\)", pr[0]), pr
-        sw = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_state_walk" in ln]
-        out = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_output" in ln]
-        assert len(sw) == 1 and len(out) == 1, (sw, out)
-        assert re.search(r"-> \(tensor<\d+x6x128x128xbf16>, tensor<300x6x128xbf16>, "
-                         r"tensor<5x6x128x128xf32>\)", sw[0]), sw[0]
-        assert re.search(r"tensor<300x6xf32>, tensor<\d+x6x128x128xbf16>, tensor<300x6x128xbf16>",
-                         out[0]), out[0]
+    # A bf16 out of solve_a, into the walk (with beta f32); full: the walk's tapes in bf16
+    walk = FWD_TARGETS[save_mode][-1]
+    sa = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_solve_a(" in ln]
+    wo = [ln for ln in hlo.splitlines() if f"custom_call @jax_cake_gdn_{walk}(" in ln]
+    assert len(sa) == 1 and len(wo) == 1, (sa, wo)
+    assert re.search(r"-> tensor<\d+x6x64x64xbf16>", sa[0]), sa[0]
+    assert re.search(r"tensor<300x6xf32>, tensor<\d+x6x64x64xbf16>", wo[0]), wo[0]
+    if save_mode == "full":  # o, exit states, h, v_new, w
+        assert re.search(r"-> \(tensor<300x6x128xbf16>, tensor<5x6x128x128xf32>, "
+                         r"tensor<\d+x6x128x128xbf16>, tensor<300x6x128xbf16>, "
+                         r"tensor<300x6x128xbf16>\)", wo[0]), wo[0]
     xla_hlo = _lower_cuda(_fwd("xla", qk_l2norm, save_mode), *args)
     assert "stablehlo.while" in xla_hlo  # the xla walk is a scan: the check can fail
 
@@ -435,7 +434,9 @@ def test_gpu_primitives_match_xla(cfg):
         assert e <= TOL, (key, e)
     assert errs["A"] <= A_TOL, errs["A"]
     for key in ("A~solve_a", "final~rev", "walk_output.o~rev", "replay.w~sep",
-                "replay.h~sep", "replay.v_new~sep", "replay.final~sep"):
+                "replay.h~sep", "replay.v_new~sep", "replay.final~sep", "walk_output_tapes.h",
+                "walk_output_tapes.v_new", "walk_output_tapes.w", "walk_output_tapes.final",
+                "walk_output_tapes.o"):
         assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
     # the fused walk + output from prep's A against the separate cuda kernels on prep's w, u:
     # the fused one makes w, u from A as prep does, so its walk (the final state) is theirs bit

@@ -154,7 +154,7 @@ def test_saved_layout_equals_residuals_jax_keeps(rng, save_mode, qk_l2norm):
     assert J.saved_layout(*sds, initial_state=h0, **kw) == layout
     expected = {"A", "G", "q", "k", "v", "beta", "h0"}
     expected |= {"rstd_q", "rstd_k"} if qk_l2norm else set()
-    expected |= {"w", "u", "h", "v_new", "scores"} if save_mode == "full" else set()
+    expected |= {"w", "u", "h", "v_new"} if save_mode == "full" else set()
     assert {n for n in layout if not n.startswith("ct.")} == expected
 
 
@@ -163,7 +163,7 @@ def test_residuals_carry_checkpoint_names(rng):
     f = lambda q: jnp.sum(J.gdn(q, k, v, g, beta, save_mode="full", backend="xla"))
     policy = jax.checkpoint_policies.save_only_these_names("gdn_h", "gdn_A")
     jaxpr = str(jax.make_jaxpr(jax.grad(jax.checkpoint(f, policy=policy)))(q))
-    for name in ("gdn_A", "gdn_G", "gdn_h", "gdn_v_new", "gdn_w", "gdn_u", "gdn_scores"):
+    for name in ("gdn_A", "gdn_G", "gdn_h", "gdn_v_new", "gdn_w", "gdn_u"):
         assert name in jaxpr
     g1 = jax.grad(jax.checkpoint(f, policy=policy))(q)
     np.testing.assert_allclose(g1, jax.grad(f)(q), rtol=1e-6, atol=1e-7)

@@ -5,8 +5,9 @@ functions; `xla` implements all of them in jax.numpy, `cuda` replaces them with 
 they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels today).
 
 Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output
-(o, scores); for the light forward, which keeps none of w, u, h, v_new: solve_a (prep's A alone)
-and walk_output (w, u from A, state_walk and output in one: o and exit states). Backward: replay
+(o, scores); solve_a (prep's A alone) and walk_output (w, u from A, state_walk and output in
+one: o and exit states; with tapes=True also w, u, h, v_new as replay returns them), which gdn's
+forward uses (light: without the tapes; full: with them). Backward: replay
 (w, u from the saved A and state_walk in one: the light mode's replay; the cuda one makes w, u
 on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state walk: dS_end, dh0
 and each chunk's dvn), chunk_bwd (all input gradients from them). nan_unless (o, or NaN
@@ -72,10 +73,15 @@ def _cuda_primitives() -> Primitives:
         return cuda.output(q, k, G, h, v_new, rstd_q, rstd_k, ct.start, ct.length, scale=scale,
                            out_dtype=out_dtype, with_scores=with_scores)
 
-    def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale, out_dtype):
-        return cuda.walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct.start, ct.length,
-                                ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order,
-                                scale=scale, out_dtype=out_dtype)
+    def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale, out_dtype,
+                    tapes=False):
+        out = cuda.walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct.start, ct.length,
+                               ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order,
+                               scale=scale, out_dtype=out_dtype, tapes=tapes)
+        if not tapes:
+            return out
+        o, final, h, v_new, w = out
+        return o, final, w, None, h, v_new  # u stays on chip, as in replay
 
     def replay(k, v, beta, G, A, h0, rstd_k, ct):
         h, v_new, w, _ = cuda.replay(k, v, beta, A, G, h0, rstd_k, ct.start, ct.length,

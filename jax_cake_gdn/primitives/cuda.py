@@ -531,9 +531,9 @@ def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: 
 
 
 def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
-                seg_last, seg_len, seg_order, *, scale: float, out_dtype):
+                seg_last, seg_len, seg_order, *, scale: float, out_dtype, tapes: bool = False):
     """w, u from A, state_walk and output in one kernel (the light forward): w, u, h and v_new never
-    leave the chip.
+    leave the chip, unless `tapes` (the full forward: the same walk also stores them).
 
     q, k, v: bf16/f32 (same dtype; q, k [T, H, K], v [T, HV, V]); beta f32[T, HV]; A
     bf16[NC, HV, 64, 64] as `solve_a` returns it; G, h0, rstd_k and the tables as `state_walk`;
@@ -542,20 +542,24 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
     scales accumulators and v_new instead, so o agrees with `output` after `state_walk` on
     prep's w, u to about one bf16 rounding. Returns o
     [T, HV, V] in out_dtype (as `output`) and the exit state of each segment f32[S, HV, K, V]
-    (as `state_walk`).
+    (as `state_walk`); with `tapes` also h bf16[NC, HV, K, V], v_new bf16[T, HV, V] and
+    w bf16[T, HV, K], bit for bit `replay`'s (o and the exit states bit for bit those without).
     """
     fn = "walk_output"
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
     v, beta, A, G, h0, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len,
                                             seg_first, seg_last, seg_len, seg_order)
-    HV, S, V = A.shape[1], h0.shape[0], v.shape[2]
+    NC, HV, S, V = A.shape[0], A.shape[1], h0.shape[0], v.shape[2]
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
-    o, final = _call(fn, [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)],
-                     q, k, v, beta, A, G, h0, rq, rk, *tab, scale=np.float32(scale))
-    return o, final
+    results = [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)]
+    if tapes:
+        results += [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
+                    ((T, HV, K), jnp.bfloat16)]
+    return tuple(_call("walk_output_tapes" if tapes else fn, results, q, k, v, beta, A, G, h0,
+                       rq, rk, *tab, scale=np.float32(scale)))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -204,16 +204,16 @@ def replay(k, v, beta, G, A, h0, rstd_k, ct: ChunkTable):
 
 
 def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scale: float,
-                out_dtype):
-    """wy, state_walk then output from A (as solve_a returns it), for the light forward (which
-    keeps none of w, u, h, v_new).
+                out_dtype, tapes: bool = False):
+    """wy, state_walk then output from A (as solve_a returns it): gdn's forward.
 
-    Returns o [T, HV, V] in out_dtype and the exit state of each segment [S, HV, K, V] f32.
+    Returns o [T, HV, V] in out_dtype and the exit state of each segment [S, HV, K, V] f32; with
+    `tapes` also w, u, h, v_new (as replay returns them: the full save mode keeps them).
     """
     w, u = wy(k, v, beta, G, A, rstd_k, ct)
     h, v_new, final = state_walk(k, w, u, G, h0, rstd_k, ct)
     o, _ = output(q, k, G, h, v_new, rstd_q, rstd_k, ct, scale=scale, out_dtype=out_dtype)
-    return o, final
+    return (o, final, w, u, h, v_new) if tapes else (o, final)
 
 
 # ---------------------------------------------------------------- backward primitives
