@@ -5,7 +5,9 @@
 //   kReplay, the light backward's replay: the same walk and outputs (plus w), but reads A and
 //     makes w, u on chip as prep does (bit for bit), so no wy pass is needed;
 //   kOut, the light forward's fused walk + output: writes o and the final state (neither h nor
-//     v_new leaves the chip), and reads A instead of w, u (it makes them on chip).
+//     v_new leaves the chip), and reads A instead of w, u (it makes them on chip);
+//   kOutTapes, the full forward: kOut that also stores kReplay's h, v_new and w (bit for bit:
+//     the same values), so the full backward needs no replay.
 // Below, "tapes" is kTapes and kReplay where they share their compute path.
 // Per segment and value head, walk the segment's chunks in order:
 //
@@ -39,6 +41,10 @@
 //     S^T = e^{G_C} S^T + vd K (m64nK, B = k [token][K] MN-major)
 //   o = scale rq (o^T)^T: bf16 through the Vd slab by stmatrix .trans, then one TMA store of a
 //   whole chunk (16-byte stores of the rows < len of a partial one; f32 o: 4-byte stores)
+// kOutTapes adds, per chunk: h[c] = bf16(S) (S^T by stmatrix .trans into its own slabs, while
+// the products run) and w's rows by TMA stores at the top; v_new's rows (from the vn fragments)
+// beside o's at the end. Each store's thread waits for the reads of its earlier ones before o's
+// slab is written, so no slab is rewritten before it is read.
 // All modes make the same walk products over the same bf16 operands in the same k16 order.
 // The per-token factors of kOut (d, e^G, scale rq) are made by the producer into its rows.
 // Every input of chunk c + 1 (k, w, u, rows G / rstd; kOut: q, rstd_q) is double-buffered by
@@ -66,8 +72,8 @@
 // Shared memory (K = V = 128; WalkFwdWgSmem): k, w, u 2 x 16 KB each, Vd 2 x 8 KB, rows, + 1 KB
 // alignment; tapes: Sb 2 x 16 KB, 146 KB in all (kReplay: + A_u 2 x 8 KB, A_w 8 KB, 3 rows a
 // buffer);
-// kOut: q 2 x 16 KB, Att 8 KB, A_u and A_w 8 KB each, 6 rows a buffer: about 172 KB. One CTA of
-// 12 warps per SM.
+// kOut: q 2 x 16 KB, Att 8 KB, A_u and A_w 8 KB each, 6 rows a buffer: about 172 KB (kOutTapes:
+// + h 2 x 16 KB and v_new 2 x 8 KB on their way out, about 220 KB). One CTA of 12 warps per SM.
 #pragma once
 
 #include <type_traits>

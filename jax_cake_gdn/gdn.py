@@ -180,16 +180,15 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
       initial_state: optional float32 [N or B, HV, K, V] entry state per document.
       output_final_state: also return the exit state per document, float32 [N or B, HV, K, V].
       save_mode: "light" keeps inputs, entry states, gate cumsum, A (and rstd) and replays w, u and
-        the state walk in the backward; "full" also keeps w, u, the h tape, v_new and the
-        intra-chunk scores (bfloat16 on the cuda backend, float32 on xla; see `saved_layout`). Both
-        give bitwise-equal gradients (with deterministic=True; see deterministic). On the cuda
-        backend the light forward makes A alone (solve_a) and runs w, u, the walk and the output as
-        one kernel (walk_output; none of w, u, h reaches HBM; its o agrees with full's to bf16
-        rounding, not bit for bit) and is the faster forward; its backward replays w, u and the walk
-        in one kernel, so both modes' fwd+bwd cost about the same (B23 on an H200, 2026-12-01: fwd
-        1.49 vs 2.72 ms, fwd+bwd 7.66 vs 7.65 ms). With few (segment, head) walk chains for the
-        GPU's SMs (a long single document, few heads) that extra walk shows and "full" has the
-        faster fwd+bwd (one 65536-token document, heads (16, 48): 17.9 vs 20.7 ms).
+        the state walk in the backward; "full" also keeps w, the h tape and v_new (and u on xla;
+        bfloat16 on the cuda backend, float32 on xla; see `saved_layout`). Both make A alone
+        (solve_a) and run w, u, the walk and the output as one kernel (walk_output; full's also
+        stores w, h, v_new, bit for bit what light's replay makes), so o and (with
+        deterministic=True) the gradients are bitwise equal between the modes. Full skips the
+        replay: the faster fwd+bwd (B23 on an H200, 2026-12-01: 5.89 vs 6.55 ms; fwd 1.64 vs
+        1.41 ms) for 1.5 GiB more residuals there (`saved_bytes`: 2.35 vs 0.84 GiB); under
+        jax.checkpoint full runs its walk twice where light replays, so light suits checkpointed
+        layers (README, Checkpointing).
       deterministic: True: bitwise-reproducible gradients (every sum in a fixed order): repeated
         runs with the same shapes on the same device give bitwise-equal outputs and gradients,
         and the two save modes bitwise-equal gradients. False (default): on the cuda backend

@@ -73,7 +73,8 @@ def test_save_modes_bitwise_and_exchanges_agree(rng, layout):
             results[exchange, st, mode] = run_kcp(W, layout, cu, args, do, exchange=exchange,
                                                   save_transfer=st, save_mode=mode, segments=2)
     for exchange, st in forms:
-        (_, light), (_, full) = results[exchange, st, "light"], results[exchange, st, "full"]
+        (o_l, light), (o_f, full) = results[exchange, st, "light"], results[exchange, st, "full"]
+        np.testing.assert_array_equal(o_l, o_f)  # one walk_output for o in both modes
         for a, b in zip(light, full):
             np.testing.assert_array_equal(a, b)
     _, a2a = results["a2a", True, "light"]

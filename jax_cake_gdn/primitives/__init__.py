@@ -21,12 +21,13 @@ that read them use as operands; u starts the walks' f32 v_new accumulator), and 
 only bf16 there; the xla set keeps them float32. Primitives of the two sets do not mix at these
 arrays (cast explicitly where a test does: `h.astype(jnp.bfloat16)`); exit states, dh0 and every
 other intermediate are float32 in both. The cuda walk_output makes w, u on chip from A with other
-bf16 roundings than prep (primitives/cuda.py), so its o agrees with the full forward's to about
-one bf16 rounding.
+bf16 roundings than output after state_walk (primitives/cuda.py), so its o agrees with theirs to
+about one bf16 rounding; with tapes=True its o and its w, h, v_new are bit for bit the o without
+and the replay's (gdn's two save modes rely on it).
 
 The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
-ones (and needs neither w nor u; dvn comes from walk_bwd, which makes it for its own update):
-both save modes must give bitwise-equal gradients, and the light mode has no scores to read.
+ones (and needs neither w nor u; dvn comes from walk_bwd, which makes it for its own update);
+gdn keeps no scores in either save mode.
 chunk_bwd(..., deterministic=False) lets the cuda kernel sum dq, dk over each GVA group with
 atomic adds (run-to-run differences in the last bits); the xla one sums in a fixed order either
 way.
