@@ -384,53 +384,45 @@ ffi::Error walk_output_tapes_impl(
 }  // namespace
 }  // namespace jax_cake_gdn
 
+namespace jax_cake_gdn {
+namespace {
+
+// The arguments of both walk_output handlers, and their first two results (o, final).
+auto walk_output_binding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+      .Arg<xla::ffi::AnyBuffer>()               // q
+      .Arg<xla::ffi::AnyBuffer>()               // k
+      .Arg<xla::ffi::AnyBuffer>()               // v
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // beta
+      .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // G
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // h0
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd_q
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // rstd_k
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // chunk_start
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // chunk_len
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // seg_first
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // seg_last
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // seg_len
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // seg_order
+      .Attr<float>("scale")
+      .Ret<xla::ffi::AnyBuffer>()               // o
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>();  // final
+}
+
+}  // namespace
+}  // namespace jax_cake_gdn
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output, jax_cake_gdn::walk_output_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // q
-                                  .Arg<xla::ffi::AnyBuffer>()              // k
-                                  .Arg<xla::ffi::AnyBuffer>()              // v
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
-                                  .Attr<float>("scale")
-                                  .Ret<xla::ffi::AnyBuffer>()              // o
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // final
+                              jax_cake_gdn::walk_output_binding(),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_output_tapes,
                               jax_cake_gdn::walk_output_tapes_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // q
-                                  .Arg<xla::ffi::AnyBuffer>()              // k
-                                  .Arg<xla::ffi::AnyBuffer>()              // v
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // beta
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // A
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // h0
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_first
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_last
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_len
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // seg_order
-                                  .Attr<float>("scale")
-                                  .Ret<xla::ffi::AnyBuffer>()              // o
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // final
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // h
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()  // v_new
+                              jax_cake_gdn::walk_output_binding()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()   // h
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>()   // v_new
                                   .Ret<xla::ffi::Buffer<xla::ffi::BF16>>(),  // w
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
