@@ -164,10 +164,12 @@ def primitive_calls(wl, backend: str, lib=None):
     calls += [
         ("fwd: gate_cumsum", jax.jit(P.gate_cumsum), (g, ct)),
         *light,
-        ("fwd full: prep", jax.jit(P.prep), (k, v, beta, G, rk, ct)),
-        ("fwd full: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
-        ("fwd full: output", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
         *full,
+        # kcp's transfer walk (prep, state_walk); the output kernel from h, v_new (full's forward
+        # before session 24)
+        ("transfer walk: prep", jax.jit(P.prep), (k, v, beta, G, rk, ct)),
+        ("transfer walk: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
+        ("output from h, v_new", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
         ("bwd: walk_bwd", jax.jit(wbwd), (q, k, w, G, do, dfinal, rq, rk, ct)),
         ("bwd: chunk_bwd", jax.jit(cbwd), (q, k, v, beta, G, A, w, u, h, vn, from_walk, do, rq,
                                            rk, ct)),
