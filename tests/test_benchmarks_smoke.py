@@ -104,8 +104,8 @@ def test_kernel_times_end_to_end(tmp_path):
     rows = list(res["median_ms"])
     assert rows[:4] == ["fwd: l2norm_rstd (q or k)", "fwd: gate_cumsum", "fwd light: solve_a",
                         "fwd light: walk_output"]
-    assert {"fwd full: prep", "bwd: walk_bwd", "bwd: chunk_bwd",
-            "bwd light: replay"} <= set(rows)
+    assert {"fwd full: walk_output, tapes", "transfer walk: prep", "bwd: walk_bwd",
+            "bwd: chunk_bwd", "bwd light: replay"} <= set(rows)
     assert rows[-4:] == ["gdn fwd light", "gdn fwd full", "gdn fwd+bwd light", "gdn fwd+bwd full"]
     assert all(t > 0 for t in res["median_ms"].values())
     saved = json.loads((tmp_path / "kernels_tiny_xla.json").read_text())
