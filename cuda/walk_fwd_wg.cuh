@@ -240,6 +240,36 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   auto au_slab = [&](int b) { return smem + Sm::oAu + (kReplay ? b * Sm::kSlab : 0); };
   // A chunk's table entries (loaded a chunk or two ahead of their use by both roles)
   auto span = [&](int c) { return chunk_span(a.cstart, a.clen, min(c, c_last), a.num_tokens); };
+  // The compute warps' tape stores. h[c] (this warpgroup's columns) from a K x 64 slab with
+  // 16-byte stores, after a barrier that follows the slab's writes:
+  [[maybe_unused]] auto copy_slab_to_h = [&](const unsigned char* slab, int c) {
+    wg_copy_sb<K>(slab, a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride + 64 * wg, V,
+                  threadIdx.x % 128);
+  };
+  // segment 0 of a table with no used chunk: every h zero (warp w zeroes columns 16 w..)
+  [[maybe_unused]] auto zero_h_if_no_chunk = [&]() {
+    if (s == 0 && NC > 0 && a.clen[0] <= 0) {
+      for (int c = 0; c < NC; ++c)
+        state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride, V);
+    }
+  };
+  // w's token rows of a chunk from the producer's slabs Ws (kReplay, kOutTapes): one TMA store a
+  // 64-column slab for a whole chunk; rows past len are the next document's, so a partial one
+  // goes by 16-byte stores of its rows < len
+  [[maybe_unused]] auto store_w_rows = [&](const unsigned char* Ws, const ChunkSpan& cs) {
+    if (cs.len == kChunk) {
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int sl = 0; sl < K / 64; ++sl)
+          tma_store_3d(&a.tm_wout, Ws + sl * Sm::kSlab, 64 * sl, hv, cs.start);
+      }
+    } else {
+      bf16* w_rows = a.w_out + (cs.start * HV + hv) * K;
+      for (int sl = wg; sl < K / 64; sl += Sm::kWarpgroups)
+        wg_copy_slab<kChunk>(Ws + sl * Sm::kSlab, w_rows + 64 * sl, int64_t{HV} * K, cs.len,
+                             threadIdx.x % 128);
+    }
+  };
 
   // The two roles never merge again after this branch (ptxas applies each register limit to its
   // own path only).
@@ -568,18 +598,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           fence_proxy_async();
           warpgroup_sync(wg);
           if (t128 == 0) tma_store_2d(&a.tm_h, Ht, 64 * wg, (c * HV + hv) * K);
-          if (len == kChunk) {
-            if (threadIdx.x == 0) {
-#pragma unroll
-              for (int sl = 0; sl < K / 64; ++sl)
-                tma_store_3d(&a.tm_wout, w_slabs(b) + sl * Sm::kSlab, 64 * sl, hv, cs.start);
-            }
-          } else {  // rows past len are the next document's: 16-byte stores of rows < len
-            bf16* w_rows = a.w_out + (cs.start * HV + hv) * K;
-            for (int sl = wg; sl < K / 64; sl += Sm::kWarpgroups)
-              wg_copy_slab<kChunk>(w_slabs(b) + sl * Sm::kSlab, w_rows + 64 * sl,
-                                   int64_t{HV} * K, len, t128);
-          }
+          store_w_rows(w_slabs(b), cs);
         }
         wgmma_wait<1>();
         wgmma_fence_operand(acc);
@@ -656,18 +675,13 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     wg_state_rw_t<K>(ST, fin, V, true, wq);
     if constexpr (kOutTapes) {  // the unused chunks' h, as kReplay fills them
       if (empty) {
-        if (s == 0 && NC > 0 && a.clen[0] <= 0) {  // no used chunk: h is all zero
-          for (int c = 0; c < NC; ++c)  // warp w zeroes columns 16 w..
-            state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride, V);
-        }
+        zero_h_if_no_chunk();
       } else if (c_last + 1 < NC && a.clen[c_last + 1] <= 0) {  // the exit state
         if (t128 == 0) tma_store_wait_read();
         warpgroup_sync(wg);
         wg_stsm_t<K>(ST, Ht, wq);
         warpgroup_sync(wg);
-        for (int c = c_last + 1; c < NC; ++c)
-          wg_copy_sb<K>(Ht, a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride + 64 * wg,
-                        V, t128);
+        for (int c = c_last + 1; c < NC; ++c) copy_slab_to_h(Ht, c);
       }
     }
     if (threadIdx.x % 128 == 0) tma_store_wait();
@@ -677,19 +691,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
   unsigned char* Vd = smem + Sm::oVd + wg * Sm::kSlab;
   float S[K / 64][32];
-  // h[c] (this warpgroup's columns) = Sb with 16-byte stores, after a barrier that follows
-  // wg_write_sb
-  auto copy_sb_to_h = [&](int c) {
-    wg_copy_sb<K>(Sb, a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride + 64 * wg, V,
-                  threadIdx.x % 128);
-  };
   wg_state_rw<K>(S, const_cast<float*>(a.h0) + state0, V, false, wq);
   if (empty) {
     wg_state_rw<K>(S, fin, V, true, wq);
-    if (s == 0 && NC > 0 && a.clen[0] <= 0) {  // no used chunk: h is all zero
-      for (int c = 0; c < NC; ++c)  // warp w zeroes columns 16 w..
-        state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride, V);
-    }
+    zero_h_if_no_chunk();
     return;
   }
 
@@ -738,21 +743,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     // kReplay: one TMA store a warpgroup (waited for, read, after product 1, which reads Sb
     // too), then w's token rows to global from the producer's slabs
     if constexpr (!kReplay) {
-      copy_sb_to_h(c);
+      copy_slab_to_h(Sb, c);
     } else {
       if (threadIdx.x % 128 == 0) tma_store_2d(&a.tm_h, Sb, 64 * wg, (c * HV + hv) * K);
-      if (len == kChunk) {  // a whole chunk: one TMA store a 64-column slab
-        if (threadIdx.x == 0) {
-#pragma unroll
-          for (int sl = 0; sl < K / 64; ++sl)
-            tma_store_3d(&a.tm_wout, Ws + sl * Sm::kSlab, 64 * sl, hv, cs.start);
-        }
-      } else {  // rows past len are the next document's: 16-byte stores of rows < len
-        bf16* w_rows = a.w_out + (cs.start * HV + hv) * K;
-        for (int sl = wg; sl < K / 64; sl += Sm::kWarpgroups)
-          wg_copy_slab<kChunk>(Ws + sl * Sm::kSlab, w_rows + 64 * sl, int64_t{HV} * K, len,
-                               threadIdx.x % 128);
-      }
+      store_w_rows(Ws, cs);
     }
     wgmma_wait<0>();
     wgmma_fence_operand(acc);
@@ -793,7 +787,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     warpgroup_sync(wg);  // every warp of this warpgroup is done reading Sb
     wg_write_sb<K>(S, Sb, wq);
     warpgroup_sync(wg);
-    for (int c = c_last + 1; c < NC; ++c) copy_sb_to_h(c);
+    for (int c = c_last + 1; c < NC; ++c) copy_slab_to_h(Sb, c);
   }
 }
 
