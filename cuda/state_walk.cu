@@ -80,13 +80,6 @@ std::string a_map(CUtensorMap* m, const void* A, int64_t NC, int64_t HV) {
   return make_tma_rows_bf16(m, A, NC * HV * kChunk, kChunk, kChunk);
 }
 
-// The replay's TMA store map of h bf16[NC, HV, K, V] as [NC * HV * K rows, V]: K x 64 boxes (a
-// warpgroup's columns of one (chunk, head)). Returns "" or why not.
-std::string h_map(CUtensorMap* m, const void* h, int64_t NC, int64_t HV, int64_t K, int64_t V) {
-  if (NC * HV * K >= (int64_t{1} << 31)) return "NC * HV * K must be below 2^31";
-  return make_tma_rows_bf16(m, h, NC * HV * K, V, static_cast<uint32_t>(K));
-}
-
 // A of the walks that make w, u from it (walk_output, replay): bf16[NC, HV, 64, 64], its rows
 // addressable by a_map. Returns "" or what is wrong.
 std::string check_a(ffi::Span<const int64_t> A, int64_t NC, int64_t HV) {
@@ -331,7 +324,7 @@ ffi::Error walk_output_run(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
             a.v_new = static_cast<bf16*>((*v_new)->untyped_data());
             a.w_out = static_cast<bf16*>((*w)->untyped_data());
             if (stores) {
-              map_err = h_map(&a.tm_h, a.h, NC, HV, KD, VT);
+              map_err = make_tma_state_rows_bf16(&a.tm_h, a.h, NC, HV, KD, VT);
               if (map_err.empty()) map_err = token_map(&a.tm_wout, a.w_out, T, HV, KD);
               if (map_err.empty()) map_err = token_map(&a.tm_vnew, a.v_new, T, HV, VT);
               if (!map_err.empty()) return;
@@ -480,7 +473,7 @@ ffi::Error replay_impl(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v,
         a.v_new = static_cast<bf16*>(v_new->untyped_data());
         a.w_out = static_cast<bf16*>(w->untyped_data());
         if (NC * HV > 0 && T > 0) {  // the compute warps' TMA stores of h and w
-          map_err = h_map(&a.tm_h, a.h, NC, HV, KD, VT);
+          map_err = make_tma_state_rows_bf16(&a.tm_h, a.h, NC, HV, KD, VT);
           if (map_err.empty()) map_err = token_map(&a.tm_wout, a.w_out, T, HV, KD);
           if (!map_err.empty()) return;
         }

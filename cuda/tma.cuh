@@ -57,6 +57,14 @@ inline std::string make_tma_rows_bf16(CUtensorMap* map, const void* base, int64_
   return make_tma_bf16(map, base, 2, dims, strides, box);
 }
 
+// A map of a state tape bf16[NC, HV, K, V] (h, dS_end) as [NC * HV * K rows, V]: K x 64 boxes (a
+// warpgroup's columns of one (chunk, head)). Returns "" or why not.
+inline std::string make_tma_state_rows_bf16(CUtensorMap* map, const void* base, int64_t NC,
+                                            int64_t HV, int64_t K, int64_t V) {
+  if (NC * HV * K >= (int64_t{1} << 31)) return "NC * HV * K must be below 2^31";
+  return make_tma_rows_bf16(map, base, NC * HV * K, V, static_cast<uint32_t>(K));
+}
+
 // ---------------------------------------------------------------- device
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t arrivals) {

@@ -75,8 +75,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   if (NC * HV > 0) {
     std::string e = make_tma_rows_bf16(&dvn_map, dvn->untyped_data(), NC * HV * kChunk, V, kChunk);
     if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dvn map: " + e);
-    e = make_tma_rows_bf16(&dS_end_map, dS_end->untyped_data(), NC * HV * K, V,
-                           static_cast<uint32_t>(K));
+    e = make_tma_state_rows_bf16(&dS_end_map, dS_end->untyped_data(), NC, HV, K, V);
     if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dS_end map: " + e);
   }
 
