@@ -13,25 +13,24 @@
 // tapes); dvn bf16[NC, HV, 64, V] (walk_bwd's); v_new bf16[T, HV, V] (the state walk's); rstd_q,
 // rstd_k f32[T, H] or f32[1] (no L2 norm); chunk table int32 (chunks.py). K, V in {64, 128}.
 // Every token row is written by its chunk; unused chunks (length 0) write nothing.
+#include "bwd_plans.cuh"
 #include "chunk_bwd.cuh"
 #include "fwd_args.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_chunk_bwd"
 
 namespace jax_cake_gdn {
-namespace {
 
-ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+ffi::Error plan_chunk_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
                           ffi::Buffer<ffi::BF16> A, ffi::Buffer<ffi::BF16> h,
                           ffi::Buffer<ffi::BF16> v_new, ffi::Buffer<ffi::BF16> dS_end,
                           ffi::Buffer<ffi::BF16> dvn, ffi::AnyBuffer dout,
                           ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                           ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
-                          float scale,
-                          ffi::ResultBuffer<ffi::F32> dQ, ffi::ResultBuffer<ffi::F32> dK,
-                          ffi::Result<ffi::AnyBuffer> dV, ffi::ResultBuffer<ffi::F32> dg,
-                          ffi::ResultBuffer<ffi::F32> dbeta) {
+                          float scale, ffi::Buffer<ffi::F32> dQ, ffi::Buffer<ffi::F32> dK,
+                          ffi::AnyBuffer dV, ffi::Buffer<ffi::F32> dg,
+                          ffi::Buffer<ffi::F32> dbeta, KernelPlan& plan) {
   JCG_CHECK_MSG(check_q_k(q, k));
   const auto qd = q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
@@ -62,61 +61,102 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                 "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end.dimensions()));
   JCG_CHECK_ARG(dims_are(dvn.dimensions(), {NC, HV, kChunk, V}),
                 "dvn must be bf16[NC, HV, 64, V], got shape " + dims_str(dvn.dimensions()));
-  const int64_t HQ = dQ->dimensions().size() == 3 ? dQ->dimensions()[1] : -1;
-  JCG_CHECK_ARG((HQ == HV || HQ == H) && dims_are(dQ->dimensions(), {T, HQ, K}),
+  const int64_t HQ = dQ.dimensions().size() == 3 ? dQ.dimensions()[1] : -1;
+  JCG_CHECK_ARG((HQ == HV || HQ == H) && dims_are(dQ.dimensions(), {T, HQ, K}),
                 "dQ must be f32[T, HV, K] or f32[T, H, K], got shape " +
-                    dims_str(dQ->dimensions()));
-  JCG_CHECK_ARG(dims_are(dK->dimensions(), {T, HQ, K}),
-                "dK must have dQ's shape " + dims_str(dQ->dimensions()) + ", got " +
-                    dims_str(dK->dimensions()));
+                    dims_str(dQ.dimensions()));
+  JCG_CHECK_ARG(dims_are(dK.dimensions(), {T, HQ, K}),
+                "dK must have dQ's shape " + dims_str(dQ.dimensions()) + ", got " +
+                    dims_str(dK.dimensions()));
   const bool sum_groups = HQ < HV;
-  JCG_CHECK_ARG(dims_are(dV->dimensions(), {T, HV, V}),
-                "dV must be [T, HV, V], got shape " + dims_str(dV->dimensions()));
-  JCG_CHECK_ARG(dV->element_type() == v.element_type(),
+  JCG_CHECK_ARG(dims_are(dV.dimensions(), {T, HV, V}),
+                "dV must be [T, HV, V], got shape " + dims_str(dV.dimensions()));
+  JCG_CHECK_ARG(dV.element_type() == v.element_type(),
                 std::string("dV must have v's dtype ") + dtype_name(v.element_type()) + ", got " +
-                    dtype_name(dV->element_type()));
-  JCG_CHECK_MSG(check_th("dg", dg->dimensions(), T, HV));
-  JCG_CHECK_MSG(check_th("dbeta", dbeta->dimensions(), T, HV));
+                    dtype_name(dV.element_type()));
+  JCG_CHECK_MSG(check_th("dg", dg.dimensions(), T, HV));
+  JCG_CHECK_MSG(check_th("dbeta", dbeta.dimensions(), T, HV));
 
-  if (sum_groups) {  // the kernel adds every value head's rows into them
-    JCG_CHECK_CUDA(cudaMemsetAsync(dQ->untyped_data(), 0, dQ->size_bytes(), stream));
-    JCG_CHECK_CUDA(cudaMemsetAsync(dK->untyped_data(), 0, dK->size_bytes(), stream));
-  } else {
-    JCG_CHECK_CUDA(poison(stream, *dQ));
-    JCG_CHECK_CUDA(poison(stream, *dK));
+  JCG_CHECK_ARG(NC * HV * K < (int64_t{1} << 31), "NC * HV * K must be below 2^31");
+  // dS_end as [NC * HV * K rows, V] and dvn as [NC * HV * 64 rows, V]: the kernel loads the
+  // 64-column boxes of one (chunk, head)
+  CUtensorMap dS_end_map{}, dvn_map{};
+  if (NC * HV > 0) {
+    std::string e = make_tma_state_rows_bf16(&dS_end_map, dS_end.untyped_data(), NC, HV, K, V);
+    if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dS_end map: " + e);
+    e = make_tma_rows_bf16(&dvn_map, dvn.untyped_data(), NC * HV * kChunk, V, kChunk);
+    if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dvn map: " + e);
   }
-  JCG_CHECK_CUDA(poison(stream, dV->untyped_data(), dV->size_bytes()));
-  JCG_CHECK_CUDA(poison(stream, *dg));
-  JCG_CHECK_CUDA(poison(stream, *dbeta));
-  if (NC == 0 || HV == 0 || T == 0) return ffi::Error::Success();
-  cudaError_t err = cudaSuccess;
-  dispatch_float_type(q.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
-    dispatch_head_dim(K, [&](auto kdim) {
-      constexpr int KD = decltype(kdim)::value;
-      dispatch_head_dim(V, [&](auto vdim) {
-        constexpr int VD = decltype(vdim)::value;
-        err = launch(chunk_bwd_kernel<In, KD, VD>, dim3(static_cast<unsigned>(NC * HV)),
-                     kCbThreads, ChunkBwdSmem<In, KD, VD>::bytes, stream,
-                     static_cast<const In*>(q.untyped_data()),
-                     static_cast<const In*>(k.untyped_data()),
-                     static_cast<const In*>(v.untyped_data()), beta.typed_data(), G.typed_data(),
-                     static_cast<const bf16*>(A.untyped_data()),
-                     static_cast<const bf16*>(h.untyped_data()),
-                     static_cast<const bf16*>(v_new.untyped_data()),
-                     static_cast<const bf16*>(dS_end.untyped_data()),
-                     static_cast<const bf16*>(dvn.untyped_data()),
-                     static_cast<const In*>(dout.untyped_data()),
-                     has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
-                     has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                     chunk_start.typed_data(), chunk_len.typed_data(), dQ->typed_data(),
-                     dK->typed_data(), static_cast<In*>(dV->untyped_data()), dg->typed_data(),
-                     dbeta->typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
-                     sum_groups, scale);
+  plan.ctas = NC * HV;
+  plan.items = NC * HV;
+  plan.prepare = [=](cudaStream_t stream) {
+    cudaError_t e = cudaSuccess;
+    if (sum_groups) {  // the kernel adds every value head's rows into them
+      e = cudaMemsetAsync(dQ.untyped_data(), 0, dQ.size_bytes(), stream);
+      if (e == cudaSuccess) e = cudaMemsetAsync(dK.untyped_data(), 0, dK.size_bytes(), stream);
+    } else {
+      e = poison(stream, dQ);
+      if (e == cudaSuccess) e = poison(stream, dK);
+    }
+    if (e == cudaSuccess) e = poison(stream, dV.untyped_data(), dV.size_bytes());
+    if (e == cudaSuccess) e = poison(stream, dg);
+    if (e == cudaSuccess) e = poison(stream, dbeta);
+    return e;
+  };
+  plan.launch = [=](cudaStream_t stream, Handoff handoff) {
+    if (NC == 0 || HV == 0 || T == 0) return cudaSuccess;
+    cudaError_t err = cudaSuccess;
+    dispatch_float_type(q.element_type(), [&](auto tag) {
+      using In = typename decltype(tag)::type;
+      dispatch_head_dim(K, [&](auto kdim) {
+        constexpr int KD = decltype(kdim)::value;
+        dispatch_head_dim(V, [&](auto vdim) {
+          constexpr int VD = decltype(vdim)::value;
+          // behind the walk (hand-off): may start while it runs (programmatic dependent launch)
+          err = launch(handoff.data != nullptr && pdl_enabled(), chunk_bwd_kernel<In, KD, VD>,
+                       dim3(static_cast<unsigned>(NC * HV)), kCbThreads,
+                       ChunkBwdSmem<In, KD, VD>::bytes, stream,
+                       static_cast<const In*>(q.untyped_data()),
+                       static_cast<const In*>(k.untyped_data()),
+                       static_cast<const In*>(v.untyped_data()), beta.typed_data(),
+                       G.typed_data(), static_cast<const bf16*>(A.untyped_data()),
+                       static_cast<const bf16*>(h.untyped_data()),
+                       static_cast<const bf16*>(v_new.untyped_data()),
+                       dS_end_map, dvn_map,
+                       static_cast<const In*>(dout.untyped_data()),
+                       has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
+                       has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                       chunk_start.typed_data(), chunk_len.typed_data(), dQ.typed_data(),
+                       dK.typed_data(), static_cast<In*>(dV.untyped_data()), dg.typed_data(),
+                       dbeta.typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
+                       sum_groups, scale, handoff);
+        });
       });
     });
-  });
-  JCG_CHECK_CUDA(err);
+    return err;
+  };
+  return ffi::Error::Success();
+}
+
+namespace {
+
+ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> G,
+                          ffi::Buffer<ffi::BF16> A, ffi::Buffer<ffi::BF16> h,
+                          ffi::Buffer<ffi::BF16> v_new, ffi::Buffer<ffi::BF16> dS_end,
+                          ffi::Buffer<ffi::BF16> dvn, ffi::AnyBuffer dout,
+                          ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                          float scale,
+                          ffi::ResultBuffer<ffi::F32> dQ, ffi::ResultBuffer<ffi::F32> dK,
+                          ffi::Result<ffi::AnyBuffer> dV, ffi::ResultBuffer<ffi::F32> dg,
+                          ffi::ResultBuffer<ffi::F32> dbeta) {
+  KernelPlan plan;
+  ffi::Error e = plan_chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, dout, rstd_q, rstd_k,
+                                chunk_start, chunk_len, scale, *dQ, *dK, *dV, *dg, *dbeta, plan);
+  if (e.failure()) return e;
+  JCG_CHECK_CUDA(plan.prepare(stream));
+  JCG_CHECK_CUDA(plan.launch(stream, Handoff{}));
   return ffi::Error::Success();
 }
 

@@ -47,13 +47,19 @@
 // slab_offset<rows>(r, c)): persistent Ks, dvn (bf16, walk_bwd's); a phase-A region (Q, dO, vn,
 // h, dS, dGam) that phase B reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V;
 // small arrays.
-// Loads: with bf16 inputs every operand goes by cp.async at stage 0 in two groups: what stage 1
-// reads (vn, q, k, dO, rstd; q, k are then scaled by rstd in place, each thread its own pieces:
-// the values a register pass would give), then h, dS_end, dvn, A and V, in flight during stage
-// 1; f32 inputs convert q, k, dO (stage 0) and V (stage 4) through registers.
+// Loads: with bf16 inputs every other operand goes by cp.async at stage 0 in two groups: what
+// stage 1 reads (vn, q, k, dO, rstd; q, k are then scaled by rstd in place, each thread its own
+// pieces: the values a register pass would give), then h, A and V, in flight during stage 1;
+// f32 inputs convert q, k, dO (stage 0) and V (stage 4) through registers.
+// dS_end and dvn (walk_bwd's) come by TMA on one mbarrier, issued by the last thread in stage 0
+// and waited for after stage 1. With a hand-off buffer (handoff.cuh; walk_chunk_bwd) the CTAs
+// take the items last chunk first and that thread first waits for the walk launched before them
+// to publish the item (its warp has only its copies to wait for then).
 #pragma once
 
 #include "fwd_common.cuh"
+#include "handoff.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace jax_cake_gdn {
@@ -259,14 +265,16 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,
                      const float* __restrict__ beta, const float* __restrict__ G,
                      const bf16* __restrict__ A, const bf16* __restrict__ h,
-                     const bf16* __restrict__ v_new, const bf16* __restrict__ dS_end,
-                     const bf16* __restrict__ dvn, const In* __restrict__ dout,
+                     const bf16* __restrict__ v_new,
+                     const __grid_constant__ CUtensorMap dS_end_map,  // K x 64 boxes
+                     const __grid_constant__ CUtensorMap dvn_map,     // 64 x 64 boxes
+                     const In* __restrict__ dout,
                      const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                      float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
                      float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
-                     int HV, bool sum_groups, float scale) {
+                     int HV, bool sum_groups, float scale, Handoff handoff) {
   using Sm = ChunkBwdSmem<In, K, V>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
@@ -301,7 +309,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   auto at64 = [](unsigned char* t, int r, int c) { return slab_at<kChunk>(t)(r, c); };
   auto atK = [](unsigned char* t, int r, int c) { return slab_at<K>(t)(r, c); };
 
-  const int hv = blockIdx.x % HV, c = blockIdx.x / HV;
+  // items (chunk, value head) = c HV + hv; behind the walk: last chunk first, as it publishes them
+  const int item = handoff.data != nullptr ? static_cast<int>(gridDim.x - 1 - blockIdx.x)
+                                           : static_cast<int>(blockIdx.x);
+  const int hv = item % HV, c = item / HV;
   const int hk = hv / (HV / H);
   // dQ, dK rows: per value head, or (sum_groups, H < HV) the group's sum by f32 atomic adds
   const int dqk_heads = sum_groups ? H : HV, dqk_head = sum_groups ? hk : hv;
@@ -315,11 +326,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   const int64_t s_off = (static_cast<int64_t>(c) * HV + hv) * K * V;
 
   // ---- stage 0: operands into shared memory (bf16), G, beta
-  // h, dS_end and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight
-  // into their slabs (cp_async_tile_at: the TilePieces mapping; the sum(dS o h) after stage 1
-  // walks this thread's pieces of h and dS_end). Two groups: what stage 1 reads (vn, and bf16 q,
-  // k, dO with their rstd rows), then h, dS_end, dvn, A and bf16 V, which land while stage 1
-  // runs.
+  // h and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight into their
+  // slabs (cp_async_tile_at: the TilePieces mapping; the sum(dS o h) after stage 1 walks this
+  // thread's pieces of h and the same pieces of dS_end). Two groups: what stage 1 reads (vn, and
+  // bf16 q, k, dO with their rstd rows), then h, A and bf16 V, which land while stage 1 runs;
+  // dS_end and dvn by TMA (below).
   using PH = TilePieces<K, V, kCbThreads>;
   {
     cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(VNs), v_new + v_off,
@@ -340,9 +351,6 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     }
     cp_async_commit();
     cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(Hs), h + s_off, V, K);
-    cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(DSs), dS_end + s_off, V, K);
-    cp_async_tile_at<kChunk, V, kCbThreads>(
-        slab_at<kChunk>(Du), dvn + (static_cast<int64_t>(c) * HV + hv) * (kChunk * V), V, kChunk);
     // A as stored (bf16) and bf16 V, for stage 5 on
     cp_async_tile_at<kChunk, kChunk, kCbThreads>(
         slab_at<kChunk>(As), A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk,
@@ -351,6 +359,18 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(Vs), v + v_off, int64_t{HV} * V,
                                               len);
     cp_async_commit();
+  }
+  __shared__ __align__(8) uint64_t ds_dvn_bar;  // dS_end and dvn landed (TMA)
+  if (tid == kCbThreads - 1) {
+    if (handoff.data != nullptr) handoff_wait(handoff, item);  // the walk has stored them
+    mbar_init(&ds_dvn_bar, 1);
+    mbar_init_fence();
+    mbar_arrive_expect_tx(&ds_dvn_bar, (K + kChunk) * V * 2);
+#pragma unroll
+    for (int j = 0; j < V / 64; ++j) {
+      tma_load_2d(DSs + j * (K * 128), &dS_end_map, 64 * j, item * K, &ds_dvn_bar);
+      tma_load_2d(Du + j * (kChunk * 128), &dvn_map, 64 * j, item * kChunk, &ds_dvn_bar);
+    }
   }
   if constexpr (!Sm::kRaw) {
     load_tile_bf16_at<kChunk, K, 8, kCbThreads>(slab_at<kChunk>(Qs), q + qk_off, int64_t{H} * K,
@@ -407,9 +427,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cb_st2(at64(DGm, i1, j), dd[nt][2], dd[nt][3]);
     }
   }
-  // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over the pieces it copied, in a
-  // fixed order
+  // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over the pieces it copied of h
+  // (and those of dS_end), in a fixed order
   cp_async_wait_all();
+  mbar_wait(&ds_dvn_bar, 0);
   {
     float hds = 0.f;
 #pragma unroll 2

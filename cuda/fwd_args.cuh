@@ -131,4 +131,38 @@ inline cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cu
   return cudaGetLastError();
 }
 
+// JAX_CAKE_GDN_PDL=0 (read once per process): no programmatic dependent launch (launch(true,
+// ...) waits for the kernel before it, as a plain launch).
+inline bool pdl_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("JAX_CAKE_GDN_PDL");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return enabled;
+}
+
+// launch(), with programmatic dependent launch when `overlap`: the kernel may start once every
+// CTA of the kernel before it in the stream has run griddepcontrol.launch_dependents; it must
+// then order its reads of that kernel's writes itself (as chunk_bwd does with the hand-off).
+template <typename... Params, typename... Args>
+inline cudaError_t launch(bool overlap, void (*kernel)(Params...), dim3 grid, int threads,
+                          size_t smem, cudaStream_t stream, Args... args) {
+  if (smem > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = &attr;
+  cfg.numAttrs = overlap ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
+}
+
 }  // namespace jax_cake_gdn

@@ -10,13 +10,13 @@
 // dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64] (the saved Att) or bf16[1] (recompute);
 // rstd_q, rstd_k f32[T, H] or f32[1]; chunk and segment tables int32 (chunks.py). K in
 // {64, 128}, V in {64, 128}.
+#include "bwd_plans.cuh"
 #include "fwd_args.cuh"
 #include "walk_bwd_wg.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_walk_bwd"
 
 namespace jax_cake_gdn {
-namespace {
 
 // The V columns per CTA the dispatch picks (walk_bwd_wg.cuh): all of V, but 64 for f32 at
 // K = V = 128.
@@ -26,16 +26,15 @@ static_assert(walk_bwd_wg_vt<bf16, 128, 128>() == 128 && walk_bwd_wg_vt<bf16, 64
                   walk_bwd_wg_vt<bf16, 128, 64>() == 64 && walk_bwd_wg_vt<float, 128, 64>() == 64,
               "walk_bwd: unexpected VT choice");
 
-ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+ffi::Error plan_walk_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
-                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::BF16> scores,
+                         ffi::Buffer<ffi::F32> dfinal, const ffi::Buffer<ffi::BF16>* scores,
                          ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                          ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
-                         float scale,
-                         ffi::ResultBuffer<ffi::BF16> dS_end, ffi::ResultBuffer<ffi::F32> dh0,
-                         ffi::ResultBuffer<ffi::BF16> dvn) {
+                         float scale, ffi::Buffer<ffi::BF16> dS_end, ffi::Buffer<ffi::F32> dh0,
+                         ffi::Buffer<ffi::BF16> dvn, KernelPlan& plan) {
   JCG_CHECK_MSG(check_q_k(q, k));
   const auto qd = q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
@@ -56,68 +55,108 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
   JCG_CHECK_ARG(S * HV * (V / 64) < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(dfinal.dimensions(), {S, HV, K, V}),
                 "dfinal must be f32[S, HV, K, V], got shape " + dims_str(dfinal.dimensions()));
-  const auto scd = scores.dimensions();
-  const bool has_scores = !is_absent(scd);
-  JCG_CHECK_ARG(!has_scores || dims_are(scd, {NC, HV, kChunk, kChunk}),
+  const bool has_scores = scores != nullptr;
+  JCG_CHECK_ARG(!has_scores || dims_are(scores->dimensions(), {NC, HV, kChunk, kChunk}),
                 "scores must be bf16[NC, HV, 64, 64] or bf16[1] (recompute), got shape " +
-                    dims_str(scd));
-  JCG_CHECK_ARG(dims_are(dS_end->dimensions(), {NC, HV, K, V}),
-                "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end->dimensions()));
-  JCG_CHECK_ARG(dims_are(dh0->dimensions(), {S, HV, K, V}),
-                "dh0 must be f32[S, HV, K, V], got shape " + dims_str(dh0->dimensions()));
-  JCG_CHECK_ARG(dims_are(dvn->dimensions(), {NC, HV, kChunk, V}),
-                "dvn must be bf16[NC, HV, 64, V], got shape " + dims_str(dvn->dimensions()));
+                    dims_str(scores->dimensions()));
+  const bf16* scores_data =
+      has_scores ? static_cast<const bf16*>(scores->untyped_data()) : nullptr;
+  JCG_CHECK_ARG(dims_are(dS_end.dimensions(), {NC, HV, K, V}),
+                "dS_end must be bf16[NC, HV, K, V], got shape " + dims_str(dS_end.dimensions()));
+  JCG_CHECK_ARG(dims_are(dh0.dimensions(), {S, HV, K, V}),
+                "dh0 must be f32[S, HV, K, V], got shape " + dims_str(dh0.dimensions()));
+  JCG_CHECK_ARG(dims_are(dvn.dimensions(), {NC, HV, kChunk, V}),
+                "dvn must be bf16[NC, HV, 64, V], got shape " + dims_str(dvn.dimensions()));
 
   JCG_CHECK_ARG(NC * HV * K < (int64_t{1} << 31), "NC * HV * K must be below 2^31");
   // dvn as [NC * HV * 64 rows, V] and dS_end as [NC * HV * K rows, V]: the kernel stores one
   // 64-column box of each a (chunk, head, warpgroup)
   CUtensorMap dvn_map{}, dS_end_map{};
   if (NC * HV > 0) {
-    std::string e = make_tma_rows_bf16(&dvn_map, dvn->untyped_data(), NC * HV * kChunk, V, kChunk);
+    std::string e = make_tma_rows_bf16(&dvn_map, dvn.untyped_data(), NC * HV * kChunk, V, kChunk);
     if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dvn map: " + e);
-    e = make_tma_state_rows_bf16(&dS_end_map, dS_end->untyped_data(), NC, HV, K, V);
+    e = make_tma_state_rows_bf16(&dS_end_map, dS_end.untyped_data(), NC, HV, K, V);
     if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dS_end map: " + e);
   }
 
-  JCG_CHECK_CUDA(poison(stream, *dS_end));
-  JCG_CHECK_CUDA(poison(stream, *dh0));
-  JCG_CHECK_CUDA(poison(stream, *dvn));
-  cudaError_t err = cudaSuccess;
+  int64_t vt = 0;  // the dispatch's column tile
   dispatch_float_type(q.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
     dispatch_head_dim(K, [&](auto kdim) {
-      constexpr int KD = decltype(kdim)::value;
       dispatch_head_dim(V, [&](auto vdim) {
-        // VT = V (one CTA per (segment, head)), except f32 at K = V = 128: VT = 64
-        constexpr int VT = walk_bwd_wg_vt<In, KD, decltype(vdim)::value>();
-        const dim3 grid(static_cast<unsigned>(S * HV * (V / VT)));
-        auto run = [&](auto kernel, size_t smem) {
-          err = launch(kernel, grid, walk_bwd_wg_threads<VT>(), smem, stream,
-                       static_cast<const In*>(q.untyped_data()),
-                       static_cast<const In*>(k.untyped_data()),
-                       static_cast<const bf16*>(w.untyped_data()), G.typed_data(),
-                       static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
-                       has_scores ? static_cast<const bf16*>(scores.untyped_data())
-                                  : static_cast<const bf16*>(nullptr),
-                       has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
-                       has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
-                       chunk_start.typed_data(), chunk_len.typed_data(),
-                       seg_first.typed_data(), seg_last.typed_data(), seg_len.typed_data(),
-                       seg_order.typed_data(),
-                       static_cast<bf16*>(dS_end->untyped_data()), dS_end_map,
-                       static_cast<bf16*>(dvn->untyped_data()), dvn_map, dh0->typed_data(), T,
-                       static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
-                       static_cast<int>(NC), scale);
-        };
-        if (has_scores) {
-          run(walk_bwd_wg_kernel<In, KD, VT, true>, WalkBwdWgSmem<KD, VT, true>::bytes);
-        } else {
-          run(walk_bwd_wg_kernel<In, KD, VT, false>, WalkBwdWgSmem<KD, VT, false>::bytes);
-        }
+        vt = walk_bwd_wg_vt<typename decltype(tag)::type, decltype(kdim)::value,
+                            decltype(vdim)::value>();
       });
     });
   });
-  JCG_CHECK_CUDA(err);
+  plan.ctas = S * HV * (V / vt);
+  plan.tiles = static_cast<int>(V / vt);
+  plan.items = NC * HV;
+  plan.prepare = [=](cudaStream_t stream) {
+    cudaError_t e = poison(stream, dS_end);
+    if (e == cudaSuccess) e = poison(stream, dh0);
+    if (e == cudaSuccess) e = poison(stream, dvn);
+    return e;
+  };
+  plan.launch = [=](cudaStream_t stream, Handoff handoff) {
+    cudaError_t err = cudaSuccess;
+    dispatch_float_type(q.element_type(), [&](auto tag) {
+      using In = typename decltype(tag)::type;
+      dispatch_head_dim(K, [&](auto kdim) {
+        constexpr int KD = decltype(kdim)::value;
+        dispatch_head_dim(V, [&](auto vdim) {
+          // VT = V (one CTA per (segment, head)), except f32 at K = V = 128: VT = 64
+          constexpr int VT = walk_bwd_wg_vt<In, KD, decltype(vdim)::value>();
+          const dim3 grid(static_cast<unsigned>(S * HV * (V / VT)));
+          auto run = [&](auto kernel, size_t smem) {
+            err = launch(kernel, grid, walk_bwd_wg_threads<VT>(), smem, stream,
+                         static_cast<const In*>(q.untyped_data()),
+                         static_cast<const In*>(k.untyped_data()),
+                         static_cast<const bf16*>(w.untyped_data()), G.typed_data(),
+                         static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
+                         scores_data,
+                         has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
+                         has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
+                         chunk_start.typed_data(), chunk_len.typed_data(),
+                         seg_first.typed_data(), seg_last.typed_data(), seg_len.typed_data(),
+                         seg_order.typed_data(),
+                         static_cast<bf16*>(dS_end.untyped_data()), dS_end_map,
+                         static_cast<bf16*>(dvn.untyped_data()), dvn_map, dh0.typed_data(), T,
+                         static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
+                         static_cast<int>(NC), scale, handoff);
+          };
+          if (has_scores) {
+            run(walk_bwd_wg_kernel<In, KD, VT, true>, WalkBwdWgSmem<KD, VT, true>::bytes);
+          } else {
+            run(walk_bwd_wg_kernel<In, KD, VT, false>, WalkBwdWgSmem<KD, VT, false>::bytes);
+          }
+        });
+      });
+    });
+    return err;
+  };
+  return ffi::Error::Success();
+}
+
+namespace {
+
+ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                         ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
+                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::BF16> scores,
+                         ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                         ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
+                         ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
+                         ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
+                         float scale,
+                         ffi::ResultBuffer<ffi::BF16> dS_end, ffi::ResultBuffer<ffi::F32> dh0,
+                         ffi::ResultBuffer<ffi::BF16> dvn) {
+  KernelPlan plan;
+  const ffi::Buffer<ffi::BF16>* saved = is_absent(scores.dimensions()) ? nullptr : &scores;
+  ffi::Error e = plan_walk_bwd(q, k, w, G, dout, dfinal, saved, rstd_q, rstd_k, chunk_start,
+                               chunk_len, seg_first, seg_last, seg_len, seg_order, scale,
+                               *dS_end, *dh0, *dvn, plan);
+  if (e.failure()) return e;
+  JCG_CHECK_CUDA(plan.prepare(stream));
+  JCG_CHECK_CUDA(plan.launch(stream, Handoff{}));
   return ffi::Error::Success();
 }
 

@@ -41,8 +41,13 @@
 // Unused chunks (after every segment's chunks) get dS_end = 0 and dvn = 0, as the xla reverse
 // scan gives.
 // dS_end is bf16 (the f32 gradient rounded to nearest: chunk_bwd uses it only as a bf16 operand).
+// With a hand-off buffer (handoff.cuh; walk_chunk_bwd) the walk also publishes each (chunk, head)
+// once its dS_end and dvn stores are complete: the compute warpgroups' storing threads wait for
+// chunk c + 1's stores at the end of chunk c, the producer publishes chunk c + 2 after the
+// barrier that opens chunk c (off the compute chain), thread 0 the last two after the loop.
 #pragma once
 
+#include "handoff.cuh"
 #include "tma.cuh"
 #include "wg_acc.cuh"
 
@@ -146,7 +151,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        const __grid_constant__ CUtensorMap dS_end_map,
                        bf16* __restrict__ dvn, const __grid_constant__ CUtensorMap dvn_map,
                        float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
-                       float scale) {
+                       float scale, Handoff handoff) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(VT == 64 || VT == 128, "one or two warpgroups");
   using Sm = WalkBwdWgSmem<K, VT, kScores>;
@@ -188,6 +193,10 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     return a;
   };
   const int64_t state_stride = int64_t{K} * V;
+  const bool publish = handoff.data != nullptr;
+  if (publish) allow_dependent_launch();
+  // named barrier 5: the producer's last publish before thread 0's (hand-off only)
+  constexpr int kHandoffBarrier = 5;
 
   // The two roles never merge again after this branch (ptxas applies each register limit to its
   // own path only).
@@ -269,13 +278,22 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     for (int c = c_last, b = 0; c >= c_first; --c, b ^= 1) {
       copy_chunk(c, b);
       __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c + 1
+      // chunk c + 2's stores completed before the compute warps reached this barrier
+      if (publish && pt == 0 && c + 2 <= c_last) handoff_publish(handoff, (c + 2) * HV + hv);
     }
+    if (publish)
+      asm volatile("bar.arrive %0, %1;\n" ::"n"(kHandoffBarrier), "n"(kCompute + kLoaders)
+                   : "memory");
     return;  // barrier 0 is not used after the last chunk opens
   }
 
   if constexpr (kRealloc) warpgroup_reg_alloc<kComputeRegs>();
   const Cta a = cta();
-  if (!a.s_ok) return;  // a malformed seg_order entry: no segment to read or write
+  const bool tid0 = threadIdx.x == 0;
+  if (!a.s_ok) {  // a malformed seg_order entry: no segment to read or write
+    if (publish && tid0) handoff_walk_done(handoff);
+    return;
+  }
   const int hv = a.hv, s = a.s, v0 = a.v0, c_first = a.c_first, c_last = a.c_last;
   const bool empty = a.empty;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, qd = lane & 3;
@@ -303,6 +321,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     wg_state_rw<K>(S, dh0 + state0, V, true, wq);
     // No used chunk at all (no tokens): every dS_end and dvn is zero, written by segment 0.
     if (s == 0 && NC > 0 && clen[0] <= 0) zero_chunks(0);
+    if (publish && tid0) handoff_walk_done(handoff);
     return;
   }
 
@@ -416,6 +435,8 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     wgmma_fence();
     wg_issue_state_update<K, -1>(S, Ws, Dvn);
     wgmma_commit();
+    // chunk c + 1's stores complete (published after the next barrier), while the update runs
+    if (publish && (tid & 127) == 0) bulk_stores_complete_but<2>();
     wgmma_wait<0>();
     if ((tid & 127) == 0) tma_store_wait_read();  // Sb and Dvn may be written again
 #pragma unroll
@@ -424,6 +445,16 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
 
   wg_state_rw<K>(S, dh0 + state0, V, true, wq);
   if ((tid & 127) == 0) tma_store_wait();
+  if (publish) {  // the last two chunks, once the producer has published the rest
+    if ((tid & 127) == 0) bulk_stores_complete_but<0>();
+    asm volatile("bar.sync %0, %1;\n" ::"n"(kHandoffBarrier), "n"(kCompute + kLoaders)
+                 : "memory");
+    if (tid0) {
+      if (c_first + 1 <= c_last) handoff_publish(handoff, (c_first + 1) * HV + hv);
+      handoff_publish(handoff, c_first * HV + hv);
+      handoff_walk_done(handoff);
+    }
+  }
   // The last used chunk's segment also zeroes the unused chunks' dS_end and dvn.
   if (c_last + 1 < NC && clen[c_last + 1] <= 0) zero_chunks(c_last + 1);
 }

@@ -69,10 +69,9 @@ def _backward(cfg: _Config, residuals, cts):
         w, u, h, v_new = res["w"], res["u"], res["h"], res["v_new"]
     else:  # light: replay w, u (bitwise as prep made them) and the state walk
         w, u, h, v_new = P.replay(k, v, beta, G, A, res["h0"], rk, ct)
-    dS_end, dh0, dvn = P.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=cfg.scale)
-    dq, dk, dv, dg, dbeta = P.chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, None, dS_end, dvn,
-                                        do, rq, rk, ct, scale=cfg.scale,
-                                        deterministic=cfg.deterministic)
+    dq, dk, dv, dg, dbeta, dh0 = P.walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do,
+                                                  dfinal, rq, rk, ct, scale=cfg.scale,
+                                                  deterministic=cfg.deterministic)
     return dq, dk, dv, dg, dbeta, dh0, None
 
 

@@ -20,7 +20,9 @@ and of xla on the same bf16-rounded values cast back to f32; every token row fin
 poison); and gdn gradients on the cuda backend (both kernels) against the float64 reference
 (<= 1e-2), light and full bitwise equal; the dq / dk epilogue (l2norm_bwd: GVA group sum and
 L2-norm backward) against a float64 numpy version; deterministic=True gradients bitwise equal over
-10 runs, with the device memory they reuse first filled with NaN.
+10 runs, with the device memory they reuse first filled with NaN; walk_chunk_bwd (both kernels in
+one call, chunk_bwd waiting for the items the walk publishes: gdn's backward) bitwise equal to the
+two calls, with the segments in either order, and finite under poison.
 """
 
 from __future__ import annotations
@@ -239,6 +241,38 @@ def test_lower_chunk_bwd_for_cuda(dims, l2, deterministic):
     assert "stablehlo.reduce" not in hlo
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_lower_walk_chunk_bwd_for_cuda(deterministic):
+    """walk_chunk_bwd is one custom call with walk_bwd's and chunk_bwd's results and the
+    hand-off scratch int32[1 + NC HV]; bad inputs raise ValueError naming the call."""
+    need_ext()
+    w, c = _abstract_walk(), _abstract_chunk()
+    tab = (w["cs"], w["cl"], w["sf"], w["sl"], w["sn"], w["so"])
+
+    def f(*a):
+        return cuda.walk_chunk_bwd(*a, scale=0.125, deterministic=deterministic)
+
+    args = (c["q"], c["k"], c["v"], c["beta"], w["w"], c["G"], c["A"], c["h"], c["v_new"],
+            c["do"], w["dfinal"], c["rq"], c["rk"]) + tab
+    hlo = _lower_cuda(f, *args)
+    calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_walk_chunk_bwd" in ln]
+    assert len(calls) == 1, hlo
+    hq = 6 if deterministic else 2
+    assert ("-> (tensor<9x6x128x128xbf16>, tensor<5x6x128x128xf32>, tensor<9x6x64x128xbf16>, "
+            f"tensor<300x{hq}x128xf32>, tensor<300x{hq}x128xf32>, tensor<300x6x128xbf16>, "
+            f"tensor<300x6xf32>, tensor<300x6xf32>, tensor<{1 + 9 * 6}xi32>)") in calls[0]
+    assert len(re.findall(r"custom_call @jax_cake_gdn_l2norm_bwd", hlo)) == 2
+    zeros = lambda x: jnp.zeros(x.shape, x.dtype)
+    a = [zeros(x) for x in args]
+    bad = {5: jnp.zeros((300, 5), jnp.float32),  # G
+           4: jnp.zeros((300, 6, 128), jnp.float32),  # w
+           10: jnp.zeros((4, 6, 128, 128), jnp.float32)}  # dfinal: 5 segments
+    msgs = {5: "G must have shape", 4: "w must be bfloat16", 10: "dfinal must have shape"}
+    for i, x in bad.items():
+        with pytest.raises(ValueError, match=f"walk_chunk_bwd: {msgs[i]}"):
+            cuda.walk_chunk_bwd(*a[:i], x, *a[i + 1:], scale=0.1)
+
+
 def _grad_fn(backend, save_mode="light", deterministic=False):
     def loss(q, k, v, g, beta, h0, cu):
         o, fin = gdn(q, k, v, g, beta, cu_seqlens=cu, qk_l2norm=True, initial_state=h0,
@@ -259,15 +293,16 @@ def _abstract_gdn(T=300, H=2, HV=6, K=128, V=128, N=5):
 
 @pytest.mark.parametrize("save_mode", ["light", "full"])
 def test_cuda_gradient_uses_the_backward_kernels(save_mode):
-    """The gradient of gdn(backend="cuda") calls the walk_bwd and chunk_bwd kernels once each and
-    has no while loop left from the walk, where the xla backend's gradient has its reverse scan."""
+    """The gradient of gdn(backend="cuda") calls walk_chunk_bwd (the walk_bwd and chunk_bwd
+    kernels in one call) once and has no while loop left from the walk, where the xla backend's
+    gradient has its reverse scan."""
     need_ext()
     args = _abstract_gdn()
-    assert primitives._cuda_primitives().walk_bwd is not X.walk_bwd
-    assert "chunk_bwd" in primitives.CUDA_KERNELS
+    assert primitives._cuda_primitives().walk_chunk_bwd is not X.walk_chunk_bwd
+    assert "walk_chunk_bwd" in primitives.CUDA_KERNELS
     hlo = _lower_cuda(_grad_fn("cuda", save_mode), *args)
-    assert len(re.findall(r"custom_call @jax_cake_gdn_walk_bwd", hlo)) == 1
-    assert len(re.findall(r"custom_call @jax_cake_gdn_chunk_bwd", hlo)) == 1
+    assert len(re.findall(r"custom_call @jax_cake_gdn_walk_chunk_bwd\b", hlo)) == 1
+    assert not re.findall(r"custom_call @jax_cake_gdn_(walk|chunk)_bwd\b", hlo)
     assert "stablehlo.while" not in hlo
     assert "stablehlo.while" in _lower_cuda(_grad_fn("xla", save_mode), *args)
 
@@ -303,15 +338,16 @@ def test_checkpoint_recomputes_only_what_the_backward_keeps(save_mode):
 
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_gdn_deterministic_picks_the_group_sum(deterministic):
-    """gdn(deterministic=...) reaches the chunk_bwd custom call: True gives per-value-head f32 dq, dk
-    (fixed-order group sum in l2norm_bwd), False the kernel's own atomic sum into [T, H, K]."""
+    """gdn(deterministic=...) reaches the walk_chunk_bwd custom call: True gives per-value-head
+    f32 dq, dk (fixed-order group sum in l2norm_bwd), False the kernel's own atomic sum into [T,
+    H, K]."""
     need_ext()
     T, H, HV, K = 300, 2, 6, 128
     hlo = _lower_cuda(_grad_fn("cuda", "light", deterministic), *_abstract_gdn(T, H, HV, K))
-    calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_chunk_bwd" in ln]
+    calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_walk_chunk_bwd" in ln]
     assert len(calls) == 1, hlo
     hq = HV if deterministic else H
-    assert f"-> (tensor<{T}x{hq}x{K}xf32>, tensor<{T}x{hq}x{K}xf32>, " in calls[0], calls[0]
+    assert f"xbf16>, tensor<{T}x{hq}x{K}xf32>, tensor<{T}x{hq}x{K}xf32>, " in calls[0], calls[0]
 
 
 @pytest.mark.parametrize("save_mode", ["light", "full"])
@@ -591,11 +627,70 @@ def test_gpu_chunk_bwd_matches_xla(cfg):
           ", ".join(f"{n}={e:.1e}" for n, e in sums.items()))
 
 
+def walk_chunk_pairs(inp, qk_l2norm):
+    """cuda walk_bwd then cuda chunk_bwd ("two") against cuda walk_chunk_bwd ("one"; "one_rev":
+    the walk's segments started in the opposite order, so the items are published in another
+    order), deterministic and not, on inputs made by the xla forward primitives. Each
+    entry: (dq, dk, dv, dg, dbeta, dh0)."""
+    scale = inp["q"].shape[-1] ** -0.5
+
+    @jax.jit
+    def run(q, k, v, g, beta, h0, do, dfinal, cu):
+        ct, rq, rk, G, A, w, u, h, vn = _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm)
+        bf = jnp.bfloat16
+        A, w, h, vn = A.astype(bf), w.astype(bf), h.astype(bf), vn.astype(bf)
+        tab = (ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order)
+        tab_rev = tab[:-1] + (ct.seg_order[::-1],)
+        out = {}
+        for det in (True, False):
+            dS, dh0, dvn = cuda.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, *tab, scale=scale)
+            out["two", det] = cuda.chunk_bwd(q, k, v, beta, G, A, h, vn, dS, dvn, do, rq, rk,
+                                             ct.start, ct.length, scale=scale,
+                                             deterministic=det) + (dh0,)
+            for key, t in (("one", tab), ("one_rev", tab_rev)):
+                out[key, det] = cuda.walk_chunk_bwd(q, k, v, beta, w, G, A, h, vn, do, dfinal,
+                                                    rq, rk, *t, scale=scale, deterministic=det)
+        return out
+
+    return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
+               inp["dfinal"], inp["cu"])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_gpu_walk_chunk_bwd_equals_the_two_calls(cfg):
+    """walk_chunk_bwd (chunk_bwd's CTAs waiting for the items the walk publishes) gives walk_bwd
+    + chunk_bwd's results bit for bit, whatever order the items come in; deterministic=False: the
+    same up to the order of dq's and dk's atomic adds."""
+    need_gpu()
+    name, H, HV, K, V, dtype, l2 = cfg
+    inp = make_walk_inputs(zlib.crc32(name.encode()) + 2, H=H, HV=HV, K=K, V=V, dtype=dtype,
+                           qk_l2norm=l2)
+    out = walk_chunk_pairs(inp, l2)
+    names = CB_NAMES + ("dh0",)
+    for key in ("one", "one_rev"):
+        for n, a, b in zip(names, out[key, True], out["two", True]):
+            assert a.shape == b.shape and a.dtype == b.dtype, (key, n)
+            assert np.isfinite(np.asarray(a, np.float32)).all(), (key, n)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{key} {n}")
+        errs = {}
+        for n, a, b in zip(names, out[key, False], out["two", True]):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            if n in ("dq", "dk"):
+                errs[n] = rel(a, b)
+                ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20
+                assert np.all(np.abs(a - b) <= ulp * np.abs(b) + 1e-6 * np.abs(b).max()), n
+            else:
+                np.testing.assert_array_equal(a, b, err_msg=f"{key} deterministic=False {n}")
+        print(f"\n[{name}] walk_chunk_bwd ({key}) == walk_bwd + chunk_bwd bitwise; atomic sums "
+              "vs fixed order: " + ", ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+
+
 _POISON_CHECK = textwrap.dedent("""
     import os, sys
     import numpy as np, jax, jax.numpy as jnp
     sys.path.insert(0, os.path.dirname({here!r}))
-    from test_cuda_bwd import make_walk_inputs, walk_pairs, chunk_bwd_pairs, CONFIGS
+    from test_cuda_bwd import (make_walk_inputs, walk_pairs, chunk_bwd_pairs, walk_chunk_pairs,
+                               CONFIGS)
     from jax_cake_gdn.primitives import cuda
     assert os.environ["JAX_CAKE_GDN_POISON"] == "1"
     for name, H, HV, K, V, dtype, l2 in CONFIGS:
@@ -611,6 +706,9 @@ _POISON_CHECK = textwrap.dedent("""
         for key in ("cuda", "cuda_sum"):
             for i, a in enumerate(pairs[key]):
                 assert np.isfinite(np.asarray(a, np.float32)).all(), (name, key, i)
+        for key, a in walk_chunk_pairs(inp, l2).items():  # the same in one call
+            for i, x in enumerate(a):
+                assert np.isfinite(np.asarray(x, np.float32)).all(), (name, key, i)
     # poison is live: chunk 1 has tokens but no segment claims it, chunk 2 is not after the last
     # used chunk: both stay NaN (dS_end and dvn); chunk 0 and dh0 are written
     T, HV, K, V = 192, 2, 64, 64
@@ -662,7 +760,7 @@ _GRAD_CHECK = textwrap.dedent("""
                         + jnp.sum(fin * dfin))
             f = jax.jit(jax.grad(loss, argnums=tuple(range(6))))
             text = f.lower(q, k, v, g, beta, h0).as_text()
-            assert "jax_cake_gdn_walk_bwd" in text and "jax_cake_gdn_chunk_bwd" in text
+            assert "jax_cake_gdn_walk_chunk_bwd" in text
             grads = f(q, k, v, g, beta, h0)
             errs = {{n: rel(np.asarray(d, np.float32), ref[n]) for n, d in zip(names, grads)}}
             print(f"[grad K={{K}} l2={{l2}} {{mode}} deterministic={{det}}] rel RMS vs f64: " +

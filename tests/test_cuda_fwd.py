@@ -271,7 +271,7 @@ def test_lower_light_gradient_for_cuda():
     # value_and_grad: with grad alone the forward's o is dead code (d sum(o) / do is 1)
     vg = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 6))
     targets = _targets(_lower_cuda(vg, *args))
-    assert {"solve_a", "walk_output", "replay", "walk_bwd"} <= targets, targets
+    assert {"solve_a", "walk_output", "replay", "walk_chunk_bwd"} <= targets, targets
     assert not targets & {"prep", "output", "state_walk"}, targets
 
 

@@ -159,8 +159,8 @@ def test_lowered_step_has_the_exchange_collective(rng, exchange, collective):
     assert f"stablehlo.{collective}" in hlo
     if backend == "cuda":  # the kernels of the forward, the replay and the backward (grad only:
         # the light forward's walk_output is dead code here, o itself is not needed)
-        for name in ("gate_cumsum", "l2norm_rstd", "prep", "state_walk", "replay", "walk_bwd",
-                     "chunk_bwd"):
+        for name in ("gate_cumsum", "l2norm_rstd", "prep", "state_walk", "replay",
+                     "walk_chunk_bwd"):
             assert f"jax_cake_gdn_{name}" in hlo, name
         # no zero-size custom-call operand (they crash XLA's SPMD partitioner on GPUs); a scalar
         # operand's layout attribute is an empty tensor<0xindex>, not an operand

@@ -10,8 +10,10 @@ one: o and exit states; with tapes=True also w, u, h, v_new as replay returns th
 forward uses (light: without the tapes; full: with them). Backward: replay
 (w, u from the saved A and state_walk in one: the light mode's replay; the cuda one makes w, u
 on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state walk: dS_end, dh0
-and each chunk's dvn), chunk_bwd (all input gradients from them). nan_unless (o, or NaN
-everywhere when traced cu_seqlens are malformed; the cuda one works in place).
+and each chunk's dvn), chunk_bwd (all input gradients from them), walk_chunk_bwd (the two in
+one, gdn's backward: the cuda one starts chunk_bwd's CTAs on the SMs the walk leaves idle).
+nan_unless (o, or NaN everywhere when traced cu_seqlens are malformed; the cuda one works in
+place).
 Signatures: see primitives/xla.py.
 
 The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
@@ -52,17 +54,18 @@ class Primitives(NamedTuple):
     output: Callable
     walk_bwd: Callable
     chunk_bwd: Callable
+    walk_chunk_bwd: Callable
     walk_output: Callable
     nan_unless: Callable
 
 
 XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.solve_a,
                  xla.state_walk, xla.replay, xla.output, xla.walk_bwd, xla.chunk_bwd,
-                 xla.walk_output, xla.nan_unless)
+                 xla.walk_chunk_bwd, xla.walk_output, xla.nan_unless)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
 CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "solve_a", "state_walk", "replay",
-                "output", "walk_output", "walk_bwd", "chunk_bwd", "nan_unless")
+                "output", "walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd", "nan_unless")
 BACKENDS = ("xla", "cuda")
 
 
@@ -99,6 +102,13 @@ def _cuda_primitives() -> Primitives:
         return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k,
                               ct.start, ct.length, scale=scale, deterministic=deterministic)
 
+    def walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do, dfinal, rstd_q, rstd_k, ct, *,
+                       scale, deterministic=True):
+        del u  # as chunk_bwd
+        return cuda.walk_chunk_bwd(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rstd_q, rstd_k,
+                                   ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len,
+                                   ct.seg_order, scale=scale, deterministic=deterministic)
+
     return XLA._replace(
         name="cuda",
         gate_cumsum=lambda g, ct: cuda.gate_cumsum(g, ct.start, ct.length),
@@ -115,6 +125,7 @@ def _cuda_primitives() -> Primitives:
         walk_output=walk_output,
         walk_bwd=walk_bwd,
         chunk_bwd=chunk_bwd,
+        walk_chunk_bwd=walk_chunk_bwd,
         nan_unless=cuda.nan_unless,
     )
 

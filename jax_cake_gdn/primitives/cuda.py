@@ -40,6 +40,7 @@ __all__ = [
     "walk_output",
     "walk_bwd",
     "chunk_bwd",
+    "walk_chunk_bwd",
     "nan_unless",
     "SUPPORTED_DIMS",
     "supports",
@@ -563,8 +564,8 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
 
 
 # ------------------------------------------------------------------------------------------------
-# Backward kernels (cuda/walk_bwd.cu, chunk_bwd.cu). Interfaces follow primitives/xla.py's
-# backward primitives.
+# Backward kernels (cuda/walk_bwd.cu, chunk_bwd.cu; both in one call: walk_chunk_bwd.cu).
+# Interfaces follow primitives/xla.py's backward primitives.
 # ------------------------------------------------------------------------------------------------
 
 
@@ -584,6 +585,23 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     instead of recomputing it).
     """
     fn = "walk_bwd"
+    q, k, w, G, do, dfinal, rq, rk, tab = _walk_bwd_inputs(
+        fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
+        seg_len, seg_order)
+    (T, H, K), (HV, V), NC, S = q.shape, do.shape[1:], tab[0].shape[0], dfinal.shape[0]
+    if scores is None:
+        sc = jnp.asarray(_ABSENT, jnp.bfloat16)
+    else:
+        sc = _bf16(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK), "as the cuda output returns it")
+    dS_end, dh0, dvn = _call(
+        fn, _walk_bwd_results(NC, S, HV, K, V), q, k, w, G, do, dfinal, sc, rq, rk, *tab,
+        scale=np.float32(scale))
+    return dS_end, dh0, dvn
+
+
+def _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len,
+                     seg_first, seg_last, seg_len, seg_order):
+    """walk_bwd's checked and converted inputs (but scores); the tables as one tuple."""
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
     do = _qkv(fn, "do", do)
@@ -594,22 +612,18 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
     do = do.astype(q.dtype)
     w = _bf16(fn, "w", w, (T, HV, K), _W_FROM)
     G = _f32(fn, "G", G, (T, HV))
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    NC = cs.shape[0]
-    sf, sla, sl, so = _segments(fn, seg_first, seg_last, seg_len, seg_order)
-    S = sl.shape[0]
+    tab = _table(fn, chunk_start, chunk_len) + _segments(fn, seg_first, seg_last, seg_len,
+                                                         seg_order)
+    S = tab[4].shape[0]
     dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
-    if scores is None:
-        sc = jnp.asarray(_ABSENT, jnp.bfloat16)
-    else:
-        sc = _bf16(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK), "as the cuda output returns it")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
-    dS_end, dh0, dvn = _call(
-        fn, [((NC, HV, K, V), jnp.bfloat16), ((S, HV, K, V), jnp.float32),
-             ((NC, HV, _CHUNK, V), jnp.bfloat16)],
-        q, k, w, G, do, dfinal, sc, rq, rk, cs, cl, sf, sla, sl, so, scale=np.float32(scale))
-    return dS_end, dh0, dvn
+    return q, k, w, G, do, dfinal, rq, rk, tab
+
+
+def _walk_bwd_results(NC, S, HV, K, V):  # dS_end, dh0, dvn
+    return [((NC, HV, K, V), jnp.bfloat16), ((S, HV, K, V), jnp.float32),
+            ((NC, HV, _CHUNK, V), jnp.bfloat16)]
 
 
 def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k, chunk_start,
@@ -635,6 +649,27 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k, ch
     the size).
     """
     fn = "chunk_bwd"
+    q, k, v, beta, G, A, h, v_new, do, rq, rk, (cs, cl) = _chunk_bwd_inputs(
+        fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chunk_start, chunk_len)
+    (T, H, K), (HV, V), NC = q.shape, v.shape[1:], cs.shape[0]
+    dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
+    dvn = _bf16(fn, "dvn", dvn, (NC, HV, _CHUNK, V), "as the cuda walk_bwd returns it")
+    dQ, dK, dv, dg, dbeta = _call(
+        fn, _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic),
+        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, cs, cl, scale=np.float32(scale))
+    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
+
+
+def _chunk_bwd_results(T, H, HV, K, V, v_dtype, deterministic):  # dQ, dK, dv, dg, dbeta
+    f32 = jnp.float32
+    HQ = HV if deterministic else H  # the kernel sums the groups when HQ = H < HV
+    return [((T, HQ, K), f32), ((T, HQ, K), f32), ((T, HV, V), v_dtype), ((T, HV), f32),
+            ((T, HV), f32)]
+
+
+def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chunk_start,
+                      chunk_len):
+    """chunk_bwd's checked and converted inputs (but dS_end, dvn); the table as one tuple."""
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
     v = _qkv(fn, "v", v)
@@ -653,17 +688,37 @@ def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k, ch
     A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
     h = _bf16(fn, "h", h, (NC, HV, K, V), "the cuda state walk's tape")
     v_new = _bf16(fn, "v_new", v_new, (T, HV, V), _VNEW_FROM)
-    dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
-    dvn = _bf16(fn, "dvn", dvn, (NC, HV, _CHUNK, V), "as the cuda walk_bwd returns it")
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
-    f32 = jnp.float32
-    HQ = HV if deterministic else H  # the kernel sums the groups when HQ = H < HV
-    dQ, dK, dv, dg, dbeta = _call(
-        fn, [((T, HQ, K), f32), ((T, HQ, K), f32), ((T, HV, V), v.dtype), ((T, HV), f32),
-             ((T, HV), f32)],
-        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, cs, cl, scale=np.float32(scale))
-    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
+    return q, k, v, beta, G, A, h, v_new, do, rq, rk, (cs, cl)
+
+
+def walk_chunk_bwd(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rstd_q, rstd_k, chunk_start,
+                   chunk_len, seg_first, seg_last, seg_len, seg_order, *, scale: float,
+                   deterministic: bool = True):
+    """walk_bwd (scores recomputed) and chunk_bwd in one call (xla.walk_chunk_bwd with the
+    tables as arrays): the inputs as those two take them. chunk_bwd's CTAs start while the walk
+    runs (programmatic dependent launch; JAX_CAKE_GDN_PDL=0: after it), on the SMs its
+    longest-first schedule leaves idle, last chunk first, each waiting for its item's dS_end
+    and dvn (cuda/handoff.cuh). Each item is computed as chunk_bwd alone computes it: the
+    results are bit for bit the two calls' (deterministic=False: up to the order of the atomic
+    adds, as there).
+    Returns (dq, dk, dv, dg, dbeta) as chunk_bwd and dh0 as walk_bwd returns them.
+    """
+    fn = "walk_chunk_bwd"
+    q, k, v, beta, G, A, h, v_new, do, rq, rk, _ = _chunk_bwd_inputs(
+        fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chunk_start, chunk_len)
+    _, _, w, G, do, dfinal, _, _, tab = _walk_bwd_inputs(
+        fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
+        seg_len, seg_order)
+    (T, H, K), (HV, V), NC, S = q.shape, v.shape[1:], tab[0].shape[0], dfinal.shape[0]
+    results = (_walk_bwd_results(NC, S, HV, K, V)
+               + _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic)
+               + [((1 + NC * HV,), jnp.int32)])  # the hand-off (scratch)
+    _, dh0, _, dQ, dK, dv, dg, dbeta, _ = _call(
+        fn, results, q, k, v, beta, w, G, A, h, v_new, do, dfinal, rq, rk, *tab,
+        scale=np.float32(scale))
+    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta, dh0
 
 
 # ------------------------------------------------------------------------------------------------

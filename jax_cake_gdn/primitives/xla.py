@@ -316,6 +316,18 @@ def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd
     return dq, dk, _ht(dV, ct).astype(v.dtype), _ht(dg, ct), _ht(dbeta, ct)
 
 
+def walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do, dfinal, rstd_q, rstd_k,
+                   ct: ChunkTable, *, scale: float, deterministic: bool = True):
+    """The whole backward after the tapes: walk_bwd (scores recomputed), then chunk_bwd.
+
+    Returns (dq, dk, dv, dg, dbeta) as chunk_bwd and dh0 as walk_bwd returns them.
+    """
+    dS_end, dh0, dvn = walk_bwd(q, k, w, G, do, dfinal, None, rstd_q, rstd_k, ct, scale=scale)
+    grads = chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, None, dS_end, dvn, do, rstd_q, rstd_k,
+                      ct, scale=scale, deterministic=deterministic)
+    return (*grads, dh0)
+
+
 def nan_unless(x, ok):
     """x where the bool scalar ok holds, else NaN everywhere (the op output's bounds check)."""
     return jnp.where(ok, x, jnp.asarray(jnp.nan, x.dtype))
