@@ -80,12 +80,16 @@ ffi::Error plan_chunk_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k,
   JCG_CHECK_ARG(NC * HV * K < (int64_t{1} << 31), "NC * HV * K must be below 2^31");
   // dS_end as [NC * HV * K rows, V] and dvn as [NC * HV * 64 rows, V]: the kernel loads the
   // 64-column boxes of one (chunk, head)
-  CUtensorMap dS_end_map{}, dvn_map{};
+  CUtensorMap dS_end_map{}, dvn_map{}, h_map{}, A_map{};
   if (NC * HV > 0) {
     std::string e = make_tma_state_rows_bf16(&dS_end_map, dS_end.untyped_data(), NC, HV, K, V);
     if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dS_end map: " + e);
     e = make_tma_rows_bf16(&dvn_map, dvn.untyped_data(), NC * HV * kChunk, V, kChunk);
     if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": dvn map: " + e);
+    e = make_tma_state_rows_bf16(&h_map, h.untyped_data(), NC, HV, K, V);
+    if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": h map: " + e);
+    e = make_tma_rows_bf16(&A_map, A.untyped_data(), NC * HV * kChunk, kChunk, kChunk);
+    if (!e.empty()) return ffi::Error::Internal(JCG_HANDLER_NAME ": A map: " + e);
   }
   plan.ctas = NC * HV;
   plan.items = NC * HV;
@@ -119,8 +123,7 @@ ffi::Error plan_chunk_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k,
                        static_cast<const In*>(q.untyped_data()),
                        static_cast<const In*>(k.untyped_data()),
                        static_cast<const In*>(v.untyped_data()), beta.typed_data(),
-                       G.typed_data(), static_cast<const bf16*>(A.untyped_data()),
-                       static_cast<const bf16*>(h.untyped_data()),
+                       G.typed_data(), A_map, h_map,
                        static_cast<const bf16*>(v_new.untyped_data()),
                        dS_end_map, dvn_map,
                        static_cast<const In*>(dout.untyped_data()),

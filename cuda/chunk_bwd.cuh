@@ -47,12 +47,12 @@
 // slab_offset<rows>(r, c)): persistent Ks, dvn (bf16, walk_bwd's); a phase-A region (Q, dO, vn,
 // h, dS, dGam) that phase B reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V;
 // small arrays.
-// Loads: with bf16 inputs every other operand goes by cp.async at stage 0 in two groups: what
+// Loads: with bf16 inputs the token-row operands go by cp.async at stage 0 in two groups: what
 // stage 1 reads (vn, q, k, dO, rstd; q, k are then scaled by rstd in place, each thread its own
-// pieces: the values a register pass would give), then h, A and V, in flight during stage 1;
-// f32 inputs convert q, k, dO (stage 0) and V (stage 4) through registers.
-// dS_end and dvn (walk_bwd's) come by TMA on one mbarrier, issued by the last thread in stage 0
-// and waited for after stage 1. With a hand-off buffer (handoff.cuh; walk_chunk_bwd) the CTAs
+// pieces: the values a register pass would give), then V, in flight during stage 1; f32 inputs
+// convert q, k, dO (stage 0) and V (stage 4) through registers.
+// h, A and dS_end, dvn (walk_bwd's) come by TMA on one mbarrier, issued by the last thread in
+// stage 0 and waited for after stage 1. With a hand-off buffer (handoff.cuh; walk_chunk_bwd) the CTAs
 // take the items last chunk first and that thread first waits for the walk launched before them
 // to publish the item (its warp has only its copies to wait for then).
 #pragma once
@@ -264,7 +264,8 @@ template <typename In, int K, int V>
 __global__ void __launch_bounds__(kCbThreads, 1)
     chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,
                      const float* __restrict__ beta, const float* __restrict__ G,
-                     const bf16* __restrict__ A, const bf16* __restrict__ h,
+                     const __grid_constant__ CUtensorMap A_map,  // 64 x 64 boxes
+                     const __grid_constant__ CUtensorMap h_map,  // K x 64 boxes
                      const bf16* __restrict__ v_new,
                      const __grid_constant__ CUtensorMap dS_end_map,  // K x 64 boxes
                      const __grid_constant__ CUtensorMap dvn_map,     // 64 x 64 boxes
@@ -323,14 +324,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 
   const int64_t qk_off = cs.start * H * K + hk * K;
   const int64_t v_off = (cs.start * HV + hv) * V;
-  const int64_t s_off = (static_cast<int64_t>(c) * HV + hv) * K * V;
 
   // ---- stage 0: operands into shared memory (bf16), G, beta
-  // h and v_new are bf16 (as the walks wrote them): 16-byte cp.async pieces straight into their
-  // slabs (cp_async_tile_at: the TilePieces mapping; the sum(dS o h) after stage 1 walks this
-  // thread's pieces of h and the same pieces of dS_end). Two groups: what stage 1 reads (vn, and
-  // bf16 q, k, dO with their rstd rows), then h, A and bf16 V, which land while stage 1 runs;
-  // dS_end and dvn by TMA (below).
+  // v_new is bf16 (as the walk wrote it): 16-byte cp.async pieces straight into its slabs
+  // (cp_async_tile_at: the TilePieces mapping). Two groups: what stage 1 reads (vn, and bf16 q,
+  // k, dO with their rstd rows), then bf16 V, which lands while stage 1 runs; h, A, dS_end and
+  // dvn (whole tiles) by TMA (below).
   using PH = TilePieces<K, V, kCbThreads>;
   {
     cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(VNs), v_new + v_off,
@@ -350,26 +349,26 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cp_async4((tid < kChunk ? sRq : sRk) + t, ok ? r + (cs.start + t) * H + hk : G, ok);
     }
     cp_async_commit();
-    cp_async_tile_at<K, V, kCbThreads>(slab_at<K>(Hs), h + s_off, V, K);
-    // A as stored (bf16) and bf16 V, for stage 5 on
-    cp_async_tile_at<kChunk, kChunk, kCbThreads>(
-        slab_at<kChunk>(As), A + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk,
-        kChunk);
+    // bf16 V, for stage 5 on
     if constexpr (Sm::kRaw)
       cp_async_tile_at<kChunk, V, kCbThreads>(slab_at<kChunk>(Vs), v + v_off, int64_t{HV} * V,
                                               len);
     cp_async_commit();
   }
-  __shared__ __align__(8) uint64_t ds_dvn_bar;  // dS_end and dvn landed (TMA)
+  __shared__ __align__(8) uint64_t tiles_bar;  // h, A, dS_end and dvn landed (TMA)
   if (tid == kCbThreads - 1) {
-    if (handoff.data != nullptr) handoff_wait(handoff, item);  // the walk has stored them
-    mbar_init(&ds_dvn_bar, 1);
+    mbar_init(&tiles_bar, 1);
     mbar_init_fence();
-    mbar_arrive_expect_tx(&ds_dvn_bar, (K + kChunk) * V * 2);
+    mbar_arrive_expect_tx(&tiles_bar, (2 * K + kChunk) * V * 2 + kChunk * kChunk * 2);
+    tma_load_2d(As, &A_map, 0, item * kChunk, &tiles_bar);  // A as stored, for stage 5 on
+#pragma unroll
+    for (int j = 0; j < V / 64; ++j) tma_load_2d(Hs + j * (K * 128), &h_map, 64 * j, item * K,
+                                                 &tiles_bar);
+    if (handoff.data != nullptr) handoff_wait(handoff, item);  // the walk has stored them
 #pragma unroll
     for (int j = 0; j < V / 64; ++j) {
-      tma_load_2d(DSs + j * (K * 128), &dS_end_map, 64 * j, item * K, &ds_dvn_bar);
-      tma_load_2d(Du + j * (kChunk * 128), &dvn_map, 64 * j, item * kChunk, &ds_dvn_bar);
+      tma_load_2d(DSs + j * (K * 128), &dS_end_map, 64 * j, item * K, &tiles_bar);
+      tma_load_2d(Du + j * (kChunk * 128), &dvn_map, 64 * j, item * kChunk, &tiles_bar);
     }
   }
   if constexpr (!Sm::kRaw) {
@@ -427,10 +426,10 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cb_st2(at64(DGm, i1, j), dd[nt][2], dd[nt][3]);
     }
   }
-  // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over the pieces it copied of h
-  // (and those of dS_end), in a fixed order
+  // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over its TilePieces of the two,
+  // in a fixed order
   cp_async_wait_all();
-  mbar_wait(&ds_dvn_bar, 0);
+  mbar_wait(&tiles_bar, 0);
   {
     float hds = 0.f;
 #pragma unroll 2
