@@ -11,11 +11,15 @@
 namespace jax_cake_gdn {
 
 struct KernelPlan {
-  std::function<cudaError_t(cudaStream_t)> prepare;  // poison (and zero) the outputs
+  // poison the outputs; zero_sums: and zero chunk_bwd's atomic group sums (false: the walk
+  // zeroes them, Handoff::zero_dq)
+  std::function<cudaError_t(cudaStream_t, bool zero_sums)> prepare;
   std::function<cudaError_t(cudaStream_t, Handoff)> launch;  // Handoff{}: the kernel alone
   int64_t ctas = 0;   // CTAs of the launch
   int tiles = 1;      // the walk's CTAs an item
   int64_t items = 0;  // (chunk, value head) items, NC * HV
+  float* sums_dq = nullptr;  // chunk_bwd's atomic group sums, f32 [T, H, K] (null: per head)
+  float* sums_dk = nullptr;
 };
 
 // Argument checks of jax_cake_gdn_walk_bwd (walk_bwd.cu); the plan launches the reverse walk.

@@ -93,9 +93,13 @@ ffi::Error plan_chunk_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k,
   }
   plan.ctas = NC * HV;
   plan.items = NC * HV;
-  plan.prepare = [=](cudaStream_t stream) {
+  if (sum_groups) {
+    plan.sums_dq = dQ.typed_data();
+    plan.sums_dk = dK.typed_data();
+  }
+  plan.prepare = [=](cudaStream_t stream, bool zero_sums) {
     cudaError_t e = cudaSuccess;
-    if (sum_groups) {  // the kernel adds every value head's rows into them
+    if (sum_groups && zero_sums) {  // the kernel adds every value head's rows into them
       e = cudaMemsetAsync(dQ.untyped_data(), 0, dQ.size_bytes(), stream);
       if (e == cudaSuccess) e = cudaMemsetAsync(dK.untyped_data(), 0, dK.size_bytes(), stream);
     } else {
@@ -158,7 +162,7 @@ ffi::Error chunk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   ffi::Error e = plan_chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, dout, rstd_q, rstd_k,
                                 chunk_start, chunk_len, scale, *dQ, *dK, *dV, *dg, *dbeta, plan);
   if (e.failure()) return e;
-  JCG_CHECK_CUDA(plan.prepare(stream));
+  JCG_CHECK_CUDA(plan.prepare(stream, true));
   JCG_CHECK_CUDA(plan.launch(stream, Handoff{}));
   return ffi::Error::Success();
 }

@@ -364,7 +364,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 #pragma unroll
     for (int j = 0; j < V / 64; ++j) tma_load_2d(Hs + j * (K * 128), &h_map, 64 * j, item * K,
                                                  &tiles_bar);
-    if (handoff.data != nullptr) handoff_wait(handoff, item);  // the walk has stored them
+    if (handoff.data != nullptr) {  // the walk has stored them
+      handoff_wait(handoff, item);
+      // and zeroed the group's dQ, dK rows (with its first head), before any add (after the
+      // barrier that follows stage 1)
+      if (handoff.zero_dq != nullptr) handoff_wait(handoff, c * HV + hk * (HV / H));
+    }
 #pragma unroll
     for (int j = 0; j < V / 64; ++j) {
       tma_load_2d(DSs + j * (K * 128), &dS_end_map, 64 * j, item * K, &tiles_bar);

@@ -91,7 +91,7 @@ ffi::Error plan_walk_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k,
   plan.ctas = S * HV * (V / vt);
   plan.tiles = static_cast<int>(V / vt);
   plan.items = NC * HV;
-  plan.prepare = [=](cudaStream_t stream) {
+  plan.prepare = [=](cudaStream_t stream, bool) {
     cudaError_t e = poison(stream, dS_end);
     if (e == cudaSuccess) e = poison(stream, dh0);
     if (e == cudaSuccess) e = poison(stream, dvn);
@@ -155,7 +155,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                                chunk_len, seg_first, seg_last, seg_len, seg_order, scale,
                                *dS_end, *dh0, *dvn, plan);
   if (e.failure()) return e;
-  JCG_CHECK_CUDA(plan.prepare(stream));
+  JCG_CHECK_CUDA(plan.prepare(stream, true));
   JCG_CHECK_CUDA(plan.launch(stream, Handoff{}));
   return ffi::Error::Success();
 }

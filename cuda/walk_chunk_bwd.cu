@@ -46,11 +46,13 @@ ffi::Error walk_chunk_bwd_impl(
                 "handoff must be int32[" + std::to_string(n) + "], got shape " +
                     dims_str(handoff->dimensions()));
   JCG_CHECK_ARG(walk.ctas < (int64_t{1} << 31), "too many walk CTAs");
-  // Everything the two kernels need before the walk starts: nothing may run between them.
+  // Everything the two kernels need before the walk starts: nothing may run between them. The
+  // atomic group sums are zeroed by the walk, not by memsets here.
   JCG_CHECK_CUDA(cudaMemsetAsync(handoff->untyped_data(), 0, handoff->size_bytes(), stream));
-  JCG_CHECK_CUDA(chunks.prepare(stream));
-  JCG_CHECK_CUDA(walk.prepare(stream));
-  const Handoff hand{handoff->typed_data(), static_cast<int>(walk.ctas), walk.tiles};
+  JCG_CHECK_CUDA(chunks.prepare(stream, false));
+  JCG_CHECK_CUDA(walk.prepare(stream, false));
+  const Handoff hand{handoff->typed_data(), static_cast<int>(walk.ctas), walk.tiles,
+                     chunks.sums_dq, chunks.sums_dk};
   JCG_CHECK_CUDA(walk.launch(stream, hand));
   JCG_CHECK_CUDA(chunks.launch(stream, hand));
   return ffi::Error::Success();
