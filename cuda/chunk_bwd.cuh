@@ -39,7 +39,10 @@
 //
 // Where a stage's result is 64 x 128, each warpgroup's two blocks thus go out as one m64n64 chain
 // (half the A-operand reads from shared memory of two m64n32 chains), and a stage's chains go out
-// as one batch before one wait (cb_batch).
+// as one batch before one wait (cb_batch). Whatever a stage's epilogue needs besides the products
+// (G, beta and their exponentials, the bf16 Q / K / V elements as 4-byte pairs, sum(dS o h), the
+// final per-row reductions) is loaded and computed between the commit and the wait (cb_batch_pre),
+// while the chains run: the same operations on the same values, so every output keeps its bits.
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128),
 // and so does M (stage 1's 64 x 64 block layout, stage 7 adds to it; its row and column sums
 // leave through small partial arrays); dQ, dV are written as soon as they are final. Shared
@@ -143,12 +146,18 @@ __device__ __forceinline__ void cb_begin(Acc&... acc) {
   wgmma_fence();
 }
 
+// After a batch's commit: wait, and fence the accumulators before they are read.
+template <typename... Acc>
+__device__ __forceinline__ void cb_wait(Acc&... acc) {
+  wgmma_wait<0>();
+  (wgmma_fence_operand(cb_flat(acc)), ...);
+}
+
 // After a batch: commit, wait, and fence the accumulators before they are read.
 template <typename... Acc>
 __device__ __forceinline__ void cb_end(Acc&... acc) {
   wgmma_commit();
-  wgmma_wait<0>();
-  (wgmma_fence_operand(cb_flat(acc)), ...);
+  cb_wait(acc...);
 }
 
 // cb_begin / cb_end over arrays of blocks (one batch: every chain issued before one wait).
@@ -163,10 +172,14 @@ __device__ __forceinline__ void cb_begin_all(float (&... acc)[N][4][4]) {
   wgmma_fence();
 }
 template <int... N>
-__device__ __forceinline__ void cb_end_all(float (&... acc)[N][4][4]) {
-  wgmma_commit();
+__device__ __forceinline__ void cb_end_all_wait(float (&... acc)[N][4][4]) {
   wgmma_wait<0>();
   (cb_fence_blocks(acc), ...);
+}
+template <int... N>
+__device__ __forceinline__ void cb_end_all(float (&... acc)[N][4][4]) {
+  wgmma_commit();
+  cb_end_all_wait(acc...);
 }
 
 // Block i (of NB = N / 64) of this warp in a 64 x N result: rows m0 = 16 (warp % 4).., columns
@@ -190,6 +203,25 @@ __device__ __forceinline__ void cb_batch(Issue&& issue, float (&acc)[N][4][4],
   cb_tile_pos<N>(0, m0, n0);
   issue(n0);
   cb_end_all(acc, more...);
+}
+
+// cb_batch with pre(): work that needs none of the batch's results (an epilogue's row / column
+// factors and other operands from shared memory) runs between the commit and the wait, while the
+// chains are on the tensor cores. ptxas keeps shared-memory loads on their side of the wait but
+// may sink pure arithmetic below it, so a factor's inputs are best loaded before the issue (its
+// exponential then becomes ready among the wgmma instructions). Same products, same operations:
+// the outputs do not change.
+template <int N, int... M, typename Issue, typename Pre>
+__device__ __forceinline__ void cb_batch_pre(Issue&& issue, Pre&& pre, float (&acc)[N][4][4],
+                                             float (&... more)[M][4][4]) {
+  static_assert(((M == N) && ...), "cb_batch: arrays of one result width");
+  cb_begin_all(acc, more...);
+  int m0, n0;
+  cb_tile_pos<N>(0, m0, n0);
+  issue(n0);
+  wgmma_commit();
+  pre();
+  cb_end_all_wait(acc, more...);
 }
 
 // Element (nt, e) of a tile: row m0 + g + 8 (e / 2), column n0 + 8 nt + 2 q + (e % 2).
@@ -258,7 +290,43 @@ __device__ __forceinline__ void cb_st2(bf16* p, float a, float b) {
   *reinterpret_cast<uint32_t*>(p) = pack_bf16(a, b);
 }
 
-__device__ __forceinline__ float cb_bf(const bf16* p) { return __bfloat162float(*p); }
+// This thread's bf16 elements of a 64 x 32 block of a slab tile t (element (r, c) at t(r, c)), in
+// the accumulator layout: p[nt][hf] holds elements (nt, 2 hf) and (nt, 2 hf + 1), adjacent columns
+// of one 16-byte chunk, as one 4-byte load (conflict free: the 8 rows of a warp's load sit in 8
+// different chunks of their 128-byte rows, by the swizzle).
+template <typename At>
+__device__ __forceinline__ void cb_ld_pairs(uint32_t (&p)[4][2], At t, int m0, int n0) {
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+      p[nt][hf] = *reinterpret_cast<const uint32_t*>(t(cb_row(m0, 2 * hf), cb_col(n0, nt, 0)));
+}
+
+// x[] (a per-row array in shared memory) at this thread's accumulator rows of a stage (rows
+// 16 (warp % 4) + g, + 8: the same for every block of the stage): out[hf] for e / 2 == hf.
+__device__ __forceinline__ void cb_ld_rows(float (&out)[2], const float* x) {
+  const int m0 = 16 * ((threadIdx.x >> 5) & 3);
+  out[0] = x[cb_row(m0, 0)];
+  out[1] = x[cb_row(m0, 2)];
+}
+
+// The same, and x at this thread's 8 columns of a 64 x 32 block at n0 (col[nt][e % 2]).
+__device__ __forceinline__ void cb_ld_rows_cols(float (&row)[2], float (&col)[4][2],
+                                                const float* x, int m0, int n0) {
+  row[0] = x[cb_row(m0, 0)];
+  row[1] = x[cb_row(m0, 2)];
+#pragma unroll
+  for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+    for (int b = 0; b < 2; ++b) col[nt][b] = x[cb_col(n0, nt, b)];
+}
+
+// Element (nt, e) from cb_ld_pairs' pairs, as float (exact).
+__device__ __forceinline__ float cb_pair_at(const uint32_t (&p)[4][2], int nt, int e) {
+  const float2 f = unpack2(p[nt][e >> 1]);
+  return (e & 1) ? f.y : f.x;
+}
 
 template <typename In, int K, int V>
 __global__ void __launch_bounds__(kCbThreads, 1)
@@ -411,16 +479,25 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float att[4][4], dd[4][4];
     zero_acc(att);
     zero_acc(dd);
+    float gr[2], gc[4][2];  // G of this thread's rows and columns
+    cb_ld_rows_cols(gr, gc, sG, m0, n0);
     cb_begin(att, dd);
     cb_mma<K, false, true>(att, Qs, Ks, n0);
     cb_mma<V, false, true>(dd, DOs, VNs, n0);
-    cb_end(att, dd);
+    wgmma_commit();
+    float gm[4][4];  // e^{G_i - G_j} of this thread's elements (Gam where j <= i), while the
+                     // chains run: made for every element, so no predicate is held across
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) gm[nt][e] = exp_ftz(gr[e >> 1] - gc[nt][e & 1]);
+    cb_wait(att, dd);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-        const float gam = j <= i ? exp_ftz(sG[i] - sG[j]) : 0.f;
+        const float gam = j <= i ? gm[nt][e] : 0.f;
         const float a = gam * att[nt][e];
         const float datt = j <= i ? scale * dd[nt][e] : 0.f;
         dd[nt][e] = datt * gam;
@@ -431,25 +508,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cb_st2(at64(DGm, i1, j), dd[nt][2], dd[nt][3]);
     }
   }
-  // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over its TilePieces of the two,
-  // in a fixed order
+  // h, A, dS_end and dvn (TMA) and the cp.async groups landed: waited for here, before the
+  // barrier ahead of stage 2 (whose products read Hs; the sum(dS o h) in its window reads Hs and
+  // DSs)
   cp_async_wait_all();
   mbar_wait(&tiles_bar, 0);
-  {
-    float hds = 0.f;
-#pragma unroll 2
-    for (int j = 0; j < PH::kPer; ++j) {
-      const int r = PH::row0() + j * PH::kRowStep, c8 = PH::col();
-      float fh[8], fs[8];
-      lds8(atK(Hs, r, c8), fh);
-      lds8(atK(DSs, r, c8), fs);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) hds = fmaf(fh[e], fs[e], hds);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);
-    if (lane == 0) sRed[warp] = hds;
-  }
   fence_proxy_async();
   __syncthreads();  // M, dGam, h, dS_end, dvn (and A) complete
 
@@ -459,15 +522,45 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[K / 64][4][4];
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    cb_batch([&](int n0) { cb_mma<V, false, true, K>(acc, DOs, Hs, n0); }, acc);
+    uint32_t qp[K / 64][4][2];  // Q's elements, e^G of the rows: loaded while the chains run
+    float gr[2], egr[2];
+    cb_ld_rows(gr, sG);
+    cb_batch_pre([&](int n0) { cb_mma<V, false, true, K>(acc, DOs, Hs, n0); },
+                 [&] {
+                   int m0, n0;
+#pragma unroll
+                   for (int it = 0; it < K / 64; ++it) {
+                     cb_tile_pos<K / 64>(it, m0, n0);
+                     cb_ld_pairs(qp[it], [&](int r, int c) { return at64(Qs, r, c); }, m0, n0);
+                   }
+#pragma unroll
+                   for (int hf = 0; hf < 2; ++hf) egr[hf] = exp_ftz(gr[hf]);
+                   // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over its
+                   // TilePieces of the two, in a fixed order (h, dS_end stay until stage 4
+                   // overwrites dS_end, after a barrier)
+                   float hds = 0.f;
+#pragma unroll 2
+                   for (int j = 0; j < PH::kPer; ++j) {
+                     const int r = PH::row0() + j * PH::kRowStep, c8 = PH::col();
+                     float fh[8], fs[8];
+                     lds8(atK(Hs, r, c8), fh);
+                     lds8(atK(DSs, r, c8), fs);
+#pragma unroll
+                     for (int e = 0; e < 8; ++e) hds = fmaf(fh[e], fs[e], hds);
+                   }
+#pragma unroll
+                   for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);
+                   if (lane == 0) sRed[warp] = hds;
+                 },
+                 acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
       cb_tile_pos<K / 64>(it, m0, n0);
-      cb_row_sums(pa, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
-        const float eg = exp_ftz(sG[i]);
+      cb_row_sums(pa, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
+        const float eg = egr[e >> 1];
         const float dqg = scale * acc[it][nt][e];
-        s += dqg * cb_bf(at64(Qs, i, j)) * eg;
+        s += dqg * cb_pair_at(qp[it], nt, e) * eg;
         acc[it][nt][e] = dqg * eg;
       });
     }
@@ -487,16 +580,32 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   float dk[K / 64][4][4];
 #pragma unroll
   for (int it = 0; it < K / 64; ++it) zero_acc(dk[it]);
-  cb_batch([&](int n0) { cb_mma<V, false, true, K>(dk, VNs, DSs, n0); }, dk);
+  {
+    uint32_t kp[K / 64][4][2];  // K's elements, e^{G_C - G} of the rows: while the chains run
+    float gr[2], decr[2];
+    cb_ld_rows(gr, sG);
+    cb_batch_pre([&](int n0) { cb_mma<V, false, true, K>(dk, VNs, DSs, n0); },
+                 [&] {
+                   int m0, n0;
 #pragma unroll
-  for (int it = 0; it < K / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos<K / 64>(it, m0, n0);
-    cb_row_sums(pb, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
-      const float dec = exp_ftz(GC - sG[i]);
-      s += dk[it][nt][e] * cb_bf(at64(Ks, i, j)) * dec;
-      dk[it][nt][e] *= dec;
-    });
+                   for (int it = 0; it < K / 64; ++it) {
+                     cb_tile_pos<K / 64>(it, m0, n0);
+                     cb_ld_pairs(kp[it], [&](int r, int c) { return at64(Ks, r, c); }, m0, n0);
+                   }
+#pragma unroll
+                   for (int hf = 0; hf < 2; ++hf) decr[hf] = exp_ftz(GC - gr[hf]);
+                 },
+                 dk);
+#pragma unroll
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos<K / 64>(it, m0, n0);
+      cb_row_sums(pb, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
+        const float dec = decr[e >> 1];
+        s += dk[it][nt][e] * cb_pair_at(kp[it], nt, e) * dec;
+        dk[it][nt][e] *= dec;
+      });
+    }
   }
   cb_batch([&](int n0) { cb_mma<kChunk, true, false>(dk, DGm, Qs, n0); }, dk);
   fence_proxy_async();
@@ -536,18 +645,29 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float a1[4][4], a2[4][4];
     zero_acc(a1);
     zero_acc(a2);
+    float bc[4][2], gc[4][2], ec[4][2];  // beta, G and (while the chains run) e^G of the columns
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int j = cb_col(n0, nt, b);
+        bc[nt][b] = sB[j];
+        gc[nt][b] = sG[j];
+      }
     cb_begin(a1, a2);
     cb_mma<V, false, true>(a1, Du, Vs, n0);
     cb_mma<K, false, true>(a2, Dw, Ks, n0);
-    cb_end(a1, a2);
+    wgmma_commit();
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) ec[nt][b] = exp_ftz(gc[nt][b]);
+    cb_wait(a1, a2);
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       float x[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int j = cb_col(n0, nt, e);
-        x[e] = sB[j] * (a1[nt][e] + exp_ftz(sG[j]) * a2[nt][e]);
-      }
+      for (int e = 0; e < 4; ++e) x[e] = bc[nt][e & 1] * (a1[nt][e] + ec[nt][e & 1] * a2[nt][e]);
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
       cb_st2(at64(DA, i0, j), x[0], x[1]);
       cb_st2(at64(DA, i1, j), x[2], x[3]);
@@ -557,13 +677,23 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[V / 64][4][4];
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) zero_acc(acc[it]);
-    cb_batch([&](int n0) { cb_mma<kChunk, true, false>(acc, As, Du, n0); }, acc);
+    uint32_t vp[V / 64][4][2];  // V's elements, while the chains run
+    cb_batch_pre([&](int n0) { cb_mma<kChunk, true, false>(acc, As, Du, n0); },
+                 [&] {
+#pragma unroll
+                   for (int it = 0; it < V / 64; ++it) {
+                     int m0, n0;
+                     cb_tile_pos<V / 64>(it, m0, n0);
+                     cb_ld_pairs(vp[it], [&](int r, int c) { return at64(Vs, r, c); }, m0, n0);
+                   }
+                 },
+                 acc);
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) {
       int m0, n0;
       cb_tile_pos<V / 64>(it, m0, n0);
-      cb_row_sums(pc, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
-        s += acc[it][nt][e] * cb_bf(at64(Vs, i, j));
+      cb_row_sums(pc, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
+        s += acc[it][nt][e] * cb_pair_at(vp[it], nt, e);
       });
       cb_store_rows(
           acc[it], len, m0, n0, [&](int i) { return dV + ((cs.start + i) * HV + hv) * V; },
@@ -574,19 +704,37 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[K / 64][4][4];
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    cb_batch([&](int n0) { cb_mma<kChunk, true, false>(acc, As, Dw, n0); }, acc);
+    uint32_t kp[K / 64][4][2];  // K's elements, beta e^G of the rows: while the chains run
+    float gr[2], br[2], bgr[2];
+    cb_ld_rows(gr, sG);
+    cb_ld_rows(br, sB);
+    cb_batch_pre([&](int n0) { cb_mma<kChunk, true, false>(acc, As, Dw, n0); },
+                 [&] {
+                   int m0, n0;
+#pragma unroll
+                   for (int it = 0; it < K / 64; ++it) {
+                     cb_tile_pos<K / 64>(it, m0, n0);
+                     cb_ld_pairs(kp[it], [&](int r, int c) { return at64(Ks, r, c); }, m0, n0);
+                   }
+#pragma unroll
+                   for (int hf = 0; hf < 2; ++hf) bgr[hf] = br[hf] * exp_ftz(gr[hf]);
+                 },
+                 acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
       cb_tile_pos<K / 64>(it, m0, n0);
-      cb_row_sums(pd, 4, m0, n0, [&](int nt, int e, int i, int j, float& s) {
-        s += acc[it][nt][e] * cb_bf(at64(Ks, i, j));
-        dk[it][nt][e] += sB[i] * exp_ftz(sG[i]) * acc[it][nt][e];
+      cb_row_sums(pd, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
+        s += acc[it][nt][e] * cb_pair_at(kp[it], nt, e);
+        dk[it][nt][e] += bgr[e >> 1] * acc[it][nt][e];
       });
     }
   }
   fence_proxy_async();
-  __syncthreads();  // DA complete
+  // DA complete for this warpgroup: of what stage 5 wrote, stage 6 reads only DA's columns n0..
+  // (its B operand), the 32 columns this warpgroup wrote; stage 6 writes X into dGam's slot, which
+  // stage 5 does not read. The CTA barrier after stage 6 joins the warpgroups again.
+  warpgroup_sync(warp >> 2);
 
   // ---- stage 6: X = A^T dA (bf16)
   {
@@ -615,21 +763,31 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     float acc[4][4], kk[4][4];
     zero_acc(acc);
     zero_acc(kk);
+    float gr[2], gc[4][2], br[2];  // G of this thread's rows and columns, beta of its rows
+    cb_ld_rows_cols(gr, gc, sG, m0, n0);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) br[hf] = sB[cb_row(m0, 2 * hf)];
     cb_begin(acc, kk);
     cb_mma<kChunk, false, true>(acc, Xs, As, n0);
     cb_mma<K, false, true>(kk, Ks, Ks, n0);
-    cb_end(acc, kk);
+    wgmma_commit();
+    float ng[4][4];  // -Gam (used where j < i), while the chains run
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ng[nt][e] = -exp_ftz(gr[e >> 1] - gc[nt][e & 1]);
+    cb_wait(acc, kk);
     float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = cb_row(m0, e), j = cb_col(n0, nt, e);
-        const float dlg = j < i ? -exp_ftz(sG[i] - sG[j]) * acc[nt][e] : 0.f;
+        const float dlg = j < i ? ng[nt][e] * acc[nt][e] : 0.f;
         const float n = dlg * kk[nt][e];
         s[e >> 1] += n;
-        mm[nt][e] += sB[i] * n;
-        acc[nt][e] = sB[i] * dlg;
+        mm[nt][e] += br[e >> 1] * n;
+        acc[nt][e] = br[e >> 1] * dlg;
       }
       const int i0 = cb_row(m0, 0), i1 = cb_row(m0, 2), j = cb_col(n0, nt, 0);
       cb_st2(at64(DKK, i0, j), acc[nt][0], acc[nt][1]);
@@ -657,11 +815,61 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   fence_proxy_async();
   __syncthreads();  // dKK, M, partial sums complete
 
-  // ---- stage 8: dK += dKK K + dKK^T K (global); per-row reductions
-  cb_batch(
+  // ---- stage 8: dK += dKK K + dKK^T K (global); per-row reductions (they need none of the
+  // products: warps 0-2 make them while the chains run)
+  cb_batch_pre(
       [&](int n0) {
         cb_mma<kChunk, false, false>(dk, DKK, Ks, n0);
         cb_mma<kChunk, true, false>(dk, DKK, Ks, n0);
+      },
+      [&] {
+        if (tid < kChunk) {
+          // each row's partial sums as 16- and 8-byte loads (scalar loads at these strides were
+          // 4- and 2-way bank conflicts); the same values added in the same order
+          const int i = tid;
+          const float2 mr = *reinterpret_cast<const float2*>(pmr + i * 2);
+          const float rs = mr.x + mr.y;
+          const float cs_ =
+              (pmc[i] + pmc[kChunk + i]) + (pmc[2 * kChunk + i] + pmc[3 * kChunk + i]);
+          const float4 va = *reinterpret_cast<const float4*>(pa + i * 4);
+          const float4 vb = *reinterpret_cast<const float4*>(pb + i * 4);
+          const float4 vc = *reinterpret_cast<const float4*>(pc + i * 4);
+          const float4 vd = *reinterpret_cast<const float4*>(pd + i * 4);
+          const float fa[4] = {va.x, va.y, va.z, va.w}, fb[4] = {vb.x, vb.y, vb.z, vb.w};
+          const float fc[4] = {vc.x, vc.y, vc.z, vc.w}, fd[4] = {vd.x, vd.y, vd.z, vd.w};
+          float a = 0.f, b = 0.f, cc = 0.f, d = 0.f;
+#pragma unroll
+          for (int p = 0; p < K / 32; ++p) {
+            a += fa[p];
+            b += fb[p];
+            d += fd[p];
+          }
+#pragma unroll
+          for (int p = 0; p < V / 32; ++p) cc += fc[p];
+          const float2 pe2 = *reinterpret_cast<const float2*>(pe + i * 2);
+          const float e = pe2.x + pe2.y;
+          const float eg = exp_ftz(sG[i]);
+          sdG[i] = i < len ? a - b + rs - cs_ + sB[i] * eg * d : 0.f;
+          if (i < len) dbeta[(cs.start + i) * HV + hv] = cc + eg * d + e;
+        } else if (warp == kChunk / 32) {
+          // dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h): lane l sums rows l and l + 32, then a
+          // fixed shuffle tree (deterministic)
+          float b = 0.f;
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const float4 v = *reinterpret_cast<const float4*>(pb + (lane + 32 * h2) * 4);
+            const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int p = 0; p < K / 32; ++p) b += f[p];
+          }
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+          if (lane == 0) {
+            float hs = 0.f;
+            for (int w = 0; w < kCbWarps; ++w) hs += sRed[w];
+            sRed[kCbWarps] = b + exp_ftz(GC) * hs;
+          }
+        }
       },
       dk);
 #pragma unroll
@@ -673,44 +881,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         [&](int i) { return dK + ((cs.start + i) * dqk_heads + dqk_head) * K; },
         [](int) { return 1.f; }, sum_groups);
   }
-  if (tid < kChunk) {
-    const int i = tid;
-    const float rs = pmr[i * 2] + pmr[i * 2 + 1];
-    const float cs_ = (pmc[i] + pmc[kChunk + i]) + (pmc[2 * kChunk + i] + pmc[3 * kChunk + i]);
-    float a = 0.f, b = 0.f, cc = 0.f, d = 0.f;
-#pragma unroll
-    for (int p = 0; p < K / 32; ++p) {
-      a += pa[i * 4 + p];
-      b += pb[i * 4 + p];
-      d += pd[i * 4 + p];
-    }
-#pragma unroll
-    for (int p = 0; p < V / 32; ++p) cc += pc[i * 4 + p];
-    const float e = pe[i * 2] + pe[i * 2 + 1];
-    const float eg = exp_ftz(sG[i]);
-    sdG[i] = i < len ? a - b + rs - cs_ + sB[i] * eg * d : 0.f;
-    if (i < len) dbeta[(cs.start + i) * HV + hv] = cc + eg * d + e;
-  } else if (warp == kChunk / 32) {
-    // dG_C = sum(dKd o K dec) + e^{G_C} sum(dS o h): lane l sums rows l and l + 32, then a
-    // fixed shuffle tree (deterministic)
-    float b = 0.f;
-#pragma unroll
-    for (int h2 = 0; h2 < 2; ++h2)
-#pragma unroll
-      for (int p = 0; p < K / 32; ++p) b += pb[(lane + 32 * h2) * 4 + p];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
-    if (lane == 0) {
-      float hs = 0.f;
-      for (int w = 0; w < kCbWarps; ++w) hs += sRed[w];
-      sRed[kCbWarps] = b + exp_ftz(GC) * hs;
-    }
-  }
   __syncthreads();
   if (warp == 0) {
     // dg_t = dG_C + sum_{t <= i < len} dG_i (reverse in-chunk cumsum, sdG = 0 past len): lane l
     // holds rows 2l, 2l + 1; suffix sums of the pairs over lanes by shuffles, then each row
-    const float x0 = sdG[2 * lane], x1 = sdG[2 * lane + 1];
+    const float2 x01 = *reinterpret_cast<const float2*>(sdG + 2 * lane);
+    const float x0 = x01.x, x1 = x01.y;
     float suf = x0 + x1;  // becomes the sum of pairs l..31
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
