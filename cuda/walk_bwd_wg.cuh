@@ -351,7 +351,6 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
   }
 
   for (int c = c_last, b = 0; c >= c_first; --c, b ^= 1) {
-    const int len = chunk_span(cstart, clen, c, num_tokens).len;
     __syncthreads();  // chunk c's slabs and rows are in; every warp is done with chunk c + 1
     const unsigned char* Ws = buf(b) + Sm::bWs;
     const unsigned char* Qs = buf(b) + Sm::bQs;
@@ -361,11 +360,12 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     unsigned char* AttS = kScores ? buf(b) + Sm::bAtt : smem + Sm::oAtt;
     const float* sg = sG(b);
 
-    const float GC = len > 0 ? sg[len - 1] : 0.f;
-    const float eGC = exp_ftz(GC);
+    // G_C: the producer pads rows len.. with G_C (0 when len = 0), so row kChunk - 1 holds it
+    const float GC = sg[kChunk - 1];
     wg_write_sb<K>(S, Sb, wq);
     fence_proxy_async();
     warpgroup_sync(wg);  // Sb ready (read by its own warpgroup and its TMA store only)
+    const float eGC = exp_ftz(GC);
     // dS_end[c] = the carried gradient (bf16): one TMA store of Sb (its read is waited for with
     // dvn's, before the next chunk writes Sb)
     if ((tid & 127) == 0) tma_store_2d(&dS_end_map, Sb, v0 + 64 * wg, (c * HV + hv) * K);
@@ -404,6 +404,19 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     // as before.
     wg_issue_state_update<K>(S, Qs, DOg);
     wgmma_commit();
+    float dec[2];  // the Dvn rows' factors, before the waits (the same operations)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int t = 16 * wq + g + 8 * half;
+      dec[half] = exp_ftz(GC - sg[t]) * sg[kChunk + t];
+    }
+    [[maybe_unused]] float gx[kAttCols / 2], grs[kAttCols / 4], rq0 = 1.f, rq1 = 1.f;
+    if constexpr (!kScores) {  // the gate's exponentials and factors, before the waits
+      wg_gate_factors<kAttCols>(gx, grs, sg, wq, kAttCols * wg,
+                                rstd_k != nullptr ? sg + kChunk : nullptr);
+      rq0 = sg[2 * kChunk + 16 * wq + g];
+      rq1 = sg[2 * kChunk + 16 * wq + g + 8];
+    }
     // dvl = Att^T dOs (A: Att stored [i][j], MN-major); with saved scores Att is already here
     auto issue_dvl = [&] {
       wgmma_fence();
@@ -424,11 +437,8 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       wgmma_fence_operand(att);
       // the mask, Gam and rstd_k (columns), this warpgroup's columns, into the Att slab times
       // rstd_q (rows): the output kernel's saved scores, bit for bit
-      const float* srq = sg + 2 * kChunk;
-      wg_gate_scores<kAttCols>(att, sg, wq, kAttCols * wg, kChunk - 1,
-                               rstd_k != nullptr ? sg + kChunk : nullptr);
-      wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg, srq[16 * wq + g],
-                              srq[16 * wq + g + 8]);
+      wg_gate_apply<kAttCols>(att, gx, grs, wq, kAttCols * wg, rstd_k != nullptr);
+      wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg, rq0, rq1);
       fence_proxy_async();
       compute_sync<kCompute>();  // Att complete
       issue_dvl();
@@ -439,11 +449,11 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int t = 16 * wq + g + 8 * half;
-      const float dec = exp_ftz(GC - sg[t]) * sg[kChunk + t];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float x0 = dec * acc[4 * j + 2 * half] + scale * dvl[4 * j + 2 * half];
-        const float x1 = dec * acc[4 * j + 2 * half + 1] + scale * dvl[4 * j + 2 * half + 1];
+        const float x0 = dec[half] * acc[4 * j + 2 * half] + scale * dvl[4 * j + 2 * half];
+        const float x1 =
+            dec[half] * acc[4 * j + 2 * half + 1] + scale * dvl[4 * j + 2 * half + 1];
         *reinterpret_cast<uint32_t*>(Dvn + sw128_offset(t, 8 * j + 2 * qd)) = pack_bf16(x0, x1);
       }
     }

@@ -259,7 +259,7 @@ __device__ __forceinline__ float walk_decay(int t, int len, float GC, const floa
 // att[4 j + e]): e^{G_i - G_j} times the product for j <= i, else 0 (never e^{-G}); then times
 // rs[j] when rs is given (a per-column factor). G of row i is sg[min(i, last)] (rows beyond a
 // chunk repeat its last G). Every kernel that builds Att (output, walk_output, walk_bwd) does it
-// here.
+// here (walk_bwd split in two around its product's wait: wg_gate_factors, wg_gate_apply).
 template <int N>
 __device__ __forceinline__ void wg_gate_scores(float (&att)[N / 2], const float* sg, int wq,
                                                int col0 = 0, int last = kChunk - 1,
@@ -279,6 +279,50 @@ __device__ __forceinline__ void wg_gate_scores(float (&att)[N / 2], const float*
         const float x = exp_ftz(keep ? gi - sg[min(jj, last)] : -INFINITY);
         a = keep ? x * a : 0.f;
         if (rs != nullptr) a *= rs[jj];
+      }
+  }
+}
+
+// wg_gate_scores (last = kChunk - 1) in two parts, the same operations in the same order (so the
+// same bits): the factors x[4 j + 2 half + e] = e^{G_i - G_j} (j <= i) and rsv[2 j + e] = rs[j]
+// (1 without rs) need only sg and rs, so a caller makes them before its product's wgmma_wait and
+// applies them after it.
+template <int N>
+__device__ __forceinline__ void wg_gate_factors(float (&x)[N / 2], float (&rsv)[N / 4],
+                                                const float* sg, int wq, int col0,
+                                                const float* rs) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = 16 * wq + g + 8 * half;
+    const float gi = sg[i];
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int jj = col0 + 8 * j + 2 * q + e;
+        const bool keep = jj <= i;
+        x[4 * j + 2 * half + e] = exp_ftz(keep ? gi - sg[jj] : -INFINITY);
+        if (half == 0) rsv[2 * j + e] = rs != nullptr ? rs[jj] : 1.f;
+      }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void wg_gate_apply(float (&att)[N / 2], const float (&x)[N / 2],
+                                              const float (&rsv)[N / 4], int wq, int col0,
+                                              bool has_rs) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int i = 16 * wq + g + 8 * half;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& a = att[4 * j + 2 * half + e];
+        a = col0 + 8 * j + 2 * q + e <= i ? x[4 * j + 2 * half + e] * a : 0.f;
+        if (has_rs) a *= rsv[2 * j + e];
       }
   }
 }
