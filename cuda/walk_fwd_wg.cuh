@@ -578,17 +578,18 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           wgmma_m64k16_rs<64, false, -1>(
               acc, sa[ks], sw128_desc(w_slabs(b) + (ks / 4) * Sm::kSlab + 32 * (ks % 4)), true);
         wgmma_commit();
-        // then (Q S)^T = S^T Q^T and this warpgroup's columns of Q K^T
-#pragma unroll
-        for (int ks = 0; ks < K / 16; ++ks)
-          wgmma_m64k16_rs<64, false, 1>(
-              oacc, sa[ks], sw128_desc(Qs + (ks / 4) * Sm::kSlab + 32 * (ks % 4)), true);
+        // then this warpgroup's columns of Q K^T, then (Q S)^T = S^T Q^T
 #pragma unroll
         for (int ks = 0; ks < K / 16; ++ks) {  // B: k rows kAttCols wg.. (K-major, 128 B a row)
           const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
           wgmma_m64k16_ss<kAttCols, false, false, 1>(
               att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
         }
+        wgmma_commit();
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks)
+          wgmma_m64k16_rs<64, false, 1>(
+              oacc, sa[ks], sw128_desc(Qs + (ks / 4) * Sm::kSlab + 32 * (ks % 4)), true);
         wgmma_commit();
         if constexpr (kOutTapes) {
           // h[c] = bf16(S) (S^T transposed, one slab a 64-key block; Ht's last store was read
@@ -600,20 +601,20 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           if (t128 == 0) tma_store_2d(&a.tm_h, Ht, 64 * wg, (c * HV + hv) * K);
           store_w_rows(w_slabs(b), cs);
         }
-        wgmma_wait<1>();
+        wgmma_wait<1>();  // product 1 and Q K^T; Q S still runs
         wgmma_fence_operand(acc);
+        wgmma_fence_operand(att);
         uint32_t vn[kChunk / 16][4], vd[kChunk / 16][4];  // bf16(v_new^T), bf16(v_new^T diag(d))
 #pragma unroll
         for (int ts = 0; ts < kChunk / 16; ++ts) wg_acc_to_a<64>(acc, ts, vn[ts]);
         wg_scale_cols<64>(acc, rD);
 #pragma unroll
         for (int ts = 0; ts < kChunk / 16; ++ts) wg_acc_to_a<64>(acc, ts, vd[ts]);
-        wgmma_wait<0>();
-        wgmma_fence_operand(att);
-        wgmma_fence_operand(oacc);
         wg_gate_scores<kAttCols>(att, rG, wq, kAttCols * wg, last, rR);
         wg_store_slab<kAttCols>(att, smem + Sm::oAtt, wq, kAttCols * wg);
         fence_proxy_async();
+        wgmma_wait<0>();
+        wgmma_fence_operand(oacc);
         compute_sync<kCompute>();  // Att complete
         // o^T = e^G (Q S)^T + v_new^T Att^T;  S^T = e^{G_C} S^T + Vd^T K
         wg_scale_cols<64>(oacc, rE);
