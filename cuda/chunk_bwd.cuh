@@ -55,9 +55,9 @@
 // pieces: the values a register pass would give), then V, in flight during stage 1; f32 inputs
 // convert q, k, dO (stage 0) and V (stage 4) through registers.
 // h, A and dS_end, dvn (walk_bwd's) come by TMA on one mbarrier, issued by the last thread in
-// stage 0 and waited for after stage 1. With a hand-off buffer (handoff.cuh; walk_chunk_bwd) the CTAs
-// take the items last chunk first and that thread first waits for the walk launched before them
-// to publish the item (its warp has only its copies to wait for then).
+// stage 0 and waited for after stage 1. With a hand-off buffer (handoff.cuh; walk_chunk_bwd)
+// the CTAs take the items last chunk first and that thread first waits for the walk launched
+// before them to publish the item (its warp has only its copies to wait for then).
 #pragma once
 
 #include "fwd_common.cuh"
