@@ -14,7 +14,7 @@ export PATH=/usr/local/cuda/bin:$PATH FLA_FLASH_QLA=0 PYTHONPATH=/tmp/anchors
 out=$OUT/$step; mkdir -p "$out"
 t0=$(date +%s)
 install() {  # the peers' wheels carried in folder $1
-  [ -d "$1" ] && python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
+  [ -d "$1" ] && python3 -m pip install -q --no-index --no-deps --no-compile \
     --target /tmp/anchors "$1"/*.whl > "$out/install.log" 2>&1
   echo "installed $1: rc=$? ($(ls /tmp/anchors 2>/dev/null | wc -l) entries in /tmp/anchors)"
 }
