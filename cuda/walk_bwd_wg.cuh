@@ -22,8 +22,10 @@
 // no copies. Per chunk, the compute warps:
 //   top: Sb = bf16(dS) (and dS_end[c] from it, a TMA store)
 //   Att (kScores = false): Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT =
-//        128), gated with rk (wg_gate_scores, wg_acc.cuh) into the Att slab times rq: the output
-//        kernel's saved scores bit for bit; with saved scores the producer's copy of them
+//        128), gated with rk (wg_gate_scores' operations, wg_acc.cuh: the factors made before
+//        the product's wait, wg_gate_factors, applied after it, wg_gate_apply) into the Att
+//        slab times rq: the output kernel's saved scores bit for bit; with saved scores the
+//        producer's copy of them
 //   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);
 //   dvn = e^{G_C - G} rk acc + scale dvl -> Dvn slab -> dvn[c] (a TMA store)
 //   dS = e^{G_C} dS + Qs^T dOg - Ws^T Dvn     (A MN-major from the [token][key] slabs; the
