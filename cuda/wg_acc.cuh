@@ -254,9 +254,16 @@ __device__ __forceinline__ float walk_decay(int t, int len, float GC, const floa
   return in && r != nullptr ? r[t] * e : e;
 }
 
+// e^{G_i - G_j} for j <= i, else 0 (no branch: the exponent is -inf above the diagonal, never
+// e^{-G}); gi = G_i, G_j = sg[min(j, last)]. The one gate of Att's elements.
+__device__ __forceinline__ float gate_factor(int i, int j, float gi, const float* sg,
+                                             int last = kChunk - 1) {
+  return exp_ftz(j <= i ? gi - sg[min(j, last)] : -INFINITY);
+}
+
 // Att = tril_incl(Gam o Q K^T) on a 64 x N wgmma accumulator holding columns col0.. of Q K^T
 // (warp wq of its warpgroup: rows 16 wq + g + 8 (e / 2), columns col0 + 8 j + 2 q + e % 2 of
-// att[4 j + e]): e^{G_i - G_j} times the product for j <= i, else 0 (never e^{-G}); then times
+// att[4 j + e]): gate_factor times the product for j <= i, else 0; then times
 // rs[j] when rs is given (a per-column factor). G of row i is sg[min(i, last)] (rows beyond a
 // chunk repeat its last G). Every kernel that builds Att (output, walk_output, walk_bwd) does it
 // here (walk_bwd split in two around its product's wait: wg_gate_factors, wg_gate_apply).
@@ -275,9 +282,8 @@ __device__ __forceinline__ void wg_gate_scores(float (&att)[N / 2], const float*
       for (int e = 0; e < 2; ++e) {
         const int jj = col0 + 8 * j + 2 * q + e;
         float& a = att[4 * j + 2 * half + e];
-        const bool keep = jj <= i;  // no branch: the exponent is -inf above the diagonal
-        const float x = exp_ftz(keep ? gi - sg[min(jj, last)] : -INFINITY);
-        a = keep ? x * a : 0.f;
+        const float x = gate_factor(i, jj, gi, sg, last);
+        a = jj <= i ? x * a : 0.f;
         if (rs != nullptr) a *= rs[jj];
       }
   }
@@ -301,8 +307,7 @@ __device__ __forceinline__ void wg_gate_factors(float (&x)[N / 2], float (&rsv)[
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int jj = col0 + 8 * j + 2 * q + e;
-        const bool keep = jj <= i;
-        x[4 * j + 2 * half + e] = exp_ftz(keep ? gi - sg[jj] : -INFINITY);
+        x[4 * j + 2 * half + e] = gate_factor(i, jj, gi, sg);
         if (half == 0) rsv[2 * j + e] = rs != nullptr ? rs[jj] : 1.f;
       }
   }
