@@ -6,6 +6,8 @@
 #   run(command="bash notes/gpu_protocol.sh B23-ckpt")
 #   run(command="bash notes/gpu_protocol.sh small_heads")                   # FlashQLA compiles
 #   run(command="bash notes/gpu_protocol.sh long")
+# Session 28 ran them in 25 minutes of device time (ckpt then lacked cuda:full:det, small_heads and
+# long had 3 x 5 calls; both mended here: ~30 s more).
 # (.anchors-a/-b: ../shared/tools/anchor-wheels.sh, run here first.) Each step writes its
 # output and JSON under $OUT/<step>; a step past its timeout still returns what it printed.
 set -u
@@ -39,9 +41,9 @@ case $step in
       --warmup 3 --arms cuda,cuda:det,cuda:full,cuda:full:det,xla,flashqla,fla ;;
   B23-ckpt)
     bench 540 --workload B23 --ops ckpt --baseline flashqla --groups 4 --calls 6 --warmup 3 \
-      --arms cuda,cuda:det,cuda:full,xla,flashqla,fla ;;
+      --arms cuda,cuda:det,cuda:full,cuda:full:det,xla,flashqla,fla ;;
   small_heads|long)
-    bench 560 --workload "$step" --ops fwd,fwd+bwd --baseline flashqla --groups 3 --calls 5 \
+    bench 560 --workload "$step" --ops fwd,fwd+bwd --baseline flashqla --groups 4 --calls 5 \
       --warmup 2 --arms cuda,cuda:full,flashqla ;;
   *) echo "unknown step $step"; exit 2 ;;
 esac
