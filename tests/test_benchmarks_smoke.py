@@ -95,9 +95,9 @@ def test_kcp_arms_on_host_devices(tmp_path):
 
 
 def test_kernel_times_end_to_end(tmp_path):
-    """benchmarks.kernels times every primitive of one fwd + bwd (xla backend here) and writes
+    """benchmarks.profiling.kernels times every primitive of one fwd + bwd (xla backend here) and writes
     its JSON; the rows name each primitive once, and the whole-op rows come last."""
-    from benchmarks import kernels
+    from benchmarks.profiling import kernels
 
     res = kernels.main(["--workload", "tiny", "--backend", "xla", "--calls", "1",
                         "--out", str(tmp_path)])
@@ -162,7 +162,7 @@ def test_baseline_copy_loads_next_to_the_library(tmp_path, monkeypatch):
         assert "jcg_base_" not in texts["cur"] and "jax_cake_gdn_walk_output" in texts["cur"]
         # per-primitive A/B in one process (xla primitives here: they run on any host)
         import os
-        from benchmarks import kernels
+        from benchmarks.profiling import kernels
         os.environ[baseline.ENV] = {str(dest)!r}
         res = kernels.main(["--workload", "tiny", "--backend", "xla", "--calls", "1", "--base"])
         assert res["base_revision"] == "abc1234"
@@ -182,7 +182,7 @@ def test_baseline_copy_loads_next_to_the_library(tmp_path, monkeypatch):
 
 def test_compare_outputs_reports_differences():
     import numpy as np
-    from benchmarks.kernels import compare_outputs
+    from benchmarks.profiling.kernels import compare_outputs
 
     a = (np.ones((3, 4), np.float32), np.arange(5, dtype=np.int32))
     assert compare_outputs(a, tuple(x.copy() for x in a)) == "same bits"
@@ -199,7 +199,7 @@ def test_compare_outputs_reports_differences():
 def test_paired_times_alternate_and_give_the_ratio(monkeypatch):
     # a fake clock: current takes 2 ms a call, baseline 3 ms; the rounds alternate which runs
     # first (after one warm-up call of each, twice), the ratio is baseline / current per round
-    from benchmarks import kernels
+    from benchmarks.profiling import kernels
 
     clock, order = [0.0], []
 
@@ -232,10 +232,10 @@ done
 
 
 def test_device_times_parses_ncu_csv(monkeypatch, capsys):
-    """benchmarks.device_times: launches in order with ms (ns, us units, thousands separators),
+    """benchmarks.profiling.device_times: launches in order with ms (ns, us units, thousands separators),
     short names, per-kernel totals; a clear exit code when ncu is missing. The ncu run itself
     needs a GPU (not run here)."""
-    from benchmarks import device_times as dt
+    from benchmarks.profiling import device_times as dt
 
     rows = dt.parse_ncu_csv(_NCU_CSV)
     assert [round(ms, 6) for _, ms in rows] == [0.065568, 0.065792, 1.34726, 0.24096]
@@ -254,7 +254,7 @@ def test_device_times_parses_ncu_csv(monkeypatch, capsys):
 
 def test_device_times_child_runs_the_op():
     """The child (what ncu profiles) runs one op on host-rounded inputs; on CPU with xla."""
-    from benchmarks import device_times as dt
+    from benchmarks.profiling import device_times as dt
 
     for op in ("fwd", "fwd+bwd"):
         assert dt.main([dt._CHILD, "--workload", "tiny", "--ops", op, "--modes", "light",
@@ -262,7 +262,7 @@ def test_device_times_child_runs_the_op():
 
 
 def test_host_time_runs():
-    from benchmarks import host_time
+    from benchmarks.profiling import host_time
 
     rows = host_time.main(["--workload", "tiny", "--arms", "xla,xla:full", "--calls", "2",
                            "--flush-mib", "0"])
@@ -276,7 +276,7 @@ def test_host_time_reads_a_trace(tmp_path):
     """--trace's reader: the GPU stream events of the newest trace, sorted; host events apart."""
     import gzip
 
-    from benchmarks import host_time
+    from benchmarks.profiling import host_time
 
     def meta(pid, tid, kind, name):
         return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
@@ -318,7 +318,7 @@ def test_rel_rms_blocks_match_one_pass():
 
 
 def test_ncu_stalls_reads_an_export(tmp_path, capsys):
-    from benchmarks import ncu_stalls
+    from benchmarks.profiling import ncu_stalls
 
     hdr = ["Address", "Source", ncu_stalls.SAMPLES, "stall_barrier", "stall_long_sb",
            "stall_barrier (Not Issued)"]

@@ -1,7 +1,7 @@
 """Host vs device side of one timed call: how long the jitted call takes to return to Python
 (dispatch: every launch enqueued) against the call with its sync, as `benchmarks.run` times it.
 
-    python -m benchmarks.host_time --workload B23 --op fwd --arms cuda --calls 30 [--trace DIR]
+    python -m benchmarks.profiling.host_time --workload B23 --op fwd --arms cuda --calls 30 [--trace DIR]
 
 Per arm: `--calls` calls after an L2 flush (as benchmarks.run), then `--calls` back to back with
 no flush. Prints the medians and minima; never asserts on them. `--trace DIR` also records three
@@ -121,7 +121,7 @@ def measure(arm_spec: str, workload: str, op: str, calls: int, flush_mib: int,
 
 
 def main(argv=None) -> list:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.host_time", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.profiling.host_time", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", default="B23", help="one of: " + ", ".join(workloads.names()))
     p.add_argument("--op", default="fwd", choices=("fwd", "fwd+bwd", "ckpt"))

@@ -3,13 +3,13 @@
 On the GPU machine, profile one launch with source counters and export the SASS view:
 
     ncu --set full --import-source yes --kernel-name regex:prep_kernel --launch-count 1 -o /tmp/p \\
-        python -m benchmarks.device_times --child --workload B23 --ops fwd --modes light \\
+        python -m benchmarks.profiling.device_times --child --workload B23 --ops fwd --modes light \\
         --backend cuda
     ncu --import /tmp/p.ncu-rep --page source --csv --print-source sass > prep_sass.csv
 
 then, anywhere:
 
-    python -m benchmarks.ncu_stalls prep_sass.csv [--top 25] [--split BAR.SYNC,EXIT]
+    python -m benchmarks.profiling.ncu_stalls prep_sass.csv [--top 25] [--split BAR.SYNC,EXIT]
 
 prints the samples by stall reason, the instructions with the most samples (and each one's
 leading reason), and with `--split` the samples between consecutive instructions that contain

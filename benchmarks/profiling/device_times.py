@@ -1,13 +1,13 @@
 """Device time of every kernel inside one gdn call, from Nsight Compute.
 
-    python -m benchmarks.device_times --workload B23 [--ops fwd,fwd+bwd] [--modes light,full]
+    python -m benchmarks.profiling.device_times --workload B23 [--ops fwd,fwd+bwd] [--modes light,full]
                                       [--backend cuda] [--out DIR]
 
 For each (op, save mode) a child process runs the jitted op of `benchmarks.arms.build_jax_op` once
 under `ncu --metrics gpu__time_duration.sum` (inputs are rounded on the host and copied, and
 XLA's autotuner is off, so the op's own launches are the only kernels), and this process prints
 each launch in order with its device time, the kernel totals and their sum. Unlike
-`benchmarks.kernels` (wall clock per call, one dispatch each) this shows XLA's own fusions between
+`benchmarks.profiling.kernels` (wall clock per call, one dispatch each) this shows XLA's own fusions between
 the primitives and sums to the op's GPU time without launch gaps; unlike a timed run it
 serialises the launches (ncu), so use it to see where the time goes, never as a result to compare
 with peers. Needs ncu (PATH, CUDA_HOME/bin or
@@ -94,8 +94,8 @@ def _child(args) -> None:
     import ml_dtypes
     import numpy as np
 
-    from . import workloads
-    from .arms import build_jax_op
+    from .. import workloads
+    from ..arms import build_jax_op
 
     wl = workloads.get(args.workload)
     inp = wl.make_inputs(seed=0)
@@ -110,7 +110,7 @@ def _child(args) -> None:
 
 def _run_one(ncu: str, workload: str, op: str, mode: str, backend: str) -> List[Tuple[str, float]]:
     cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
-           sys.executable, "-m", "benchmarks.device_times", _CHILD, "--workload", workload,
+           sys.executable, "-m", "benchmarks.profiling.device_times", _CHILD, "--workload", workload,
            "--ops", op, "--modes", mode, "--backend", backend]
     # no autotuning: its timing kernels (DelayKernel, RedzoneAllocator, ...) would join the list
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
@@ -126,7 +126,7 @@ def _run_one(ncu: str, workload: str, op: str, mode: str, backend: str) -> List[
 
 
 def main(argv=None) -> int:
-    from . import workloads
+    from .. import workloads
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(_CHILD, action="store_true", help=argparse.SUPPRESS)

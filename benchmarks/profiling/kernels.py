@@ -1,6 +1,6 @@
 """Per-primitive times of one backend on a workload: where the time of gdn's fwd and bwd goes.
 
-    python -m benchmarks.kernels --workload B23 [--backend cuda] [--calls 20] [--out DIR] [--base]
+    python -m benchmarks.profiling.kernels --workload B23 [--backend cuda] [--calls 20] [--out DIR] [--base]
 
 Each primitive runs as its own jitted call on inputs precomputed by the same backend (the
 intermediates of one light forward and one full backward), median of `--calls` calls after two
@@ -187,7 +187,7 @@ def primitive_calls(wl, backend: str, lib=None):
 
 def whole_op_calls(wl, backend: str, lib=None):
     """[(name, fn, args)] for gdn fwd (light, full) and fwd+bwd (light, full) on `wl`."""
-    from .arms import _jax_inputs, build_jax_op
+    from ..arms import _jax_inputs, build_jax_op
 
     inp = wl.make_inputs(seed=0)
     dev = _jax_inputs(wl, inp)
@@ -201,7 +201,7 @@ def whole_op_calls(wl, backend: str, lib=None):
 
 
 def main(argv=None):
-    from . import workloads
+    from .. import workloads
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="B23",
@@ -222,7 +222,7 @@ def main(argv=None):
     print(f"[kernels] {wl.name} backend={args.backend} device={jax.devices()[0]}", flush=True)
     cur = primitive_calls(wl, args.backend) + whole_op_calls(wl, args.backend)
     if args.base:
-        from . import baseline
+        from .. import baseline
 
         lib, base_rev = baseline.load()
         base = primitive_calls(wl, args.backend, lib) + whole_op_calls(wl, args.backend, lib)
