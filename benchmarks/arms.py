@@ -1,37 +1,38 @@
 """Arms: the things the runner times, behind one framework-agnostic interface.
 
-An `Arm` is a name, a `setup(workload, op, inputs)` that returns a zero-argument callable doing
-one call of `op`, and a `sync(result)` that blocks until the device has finished that call
-(`jax.block_until_ready` for JAX arms, `torch.cuda.synchronize()` for torch arms). The runner
-times `perf_counter()` around `call(); sync(result)`. `setup` may compile and run the op; it
-raises `ArmUnavailable` (or any exception) when the arm cannot run here, and the runner skips
-the arm with the reason. `to_numpy(result)` (optional) gives the outputs as float32 numpy arrays
-for the cross-arm check, in a fixed order:
+An `Arm` is a name, its framework (`benchmarks.frameworks`: JAX or TORCH, which gives the arm its
+`sync`, `flush` and `device_times`), and a `setup(workload, op, inputs)` that returns a
+zero-argument callable doing one call of `op`. `setup` may compile and run the op; it raises
+`ArmUnavailable` (or any exception) when the arm cannot run here, and the runner skips the arm
+with the reason. `to_numpy(result)` (optional) gives the outputs as float32 numpy arrays for the
+cross-arm check, in a fixed order:
 
     fwd                 [o]
     fwd+bwd, ckpt       [o, d<inputs...>]   inputs: q, k, v, g, beta (layer: x, conv_w, g, beta)
 
 fwd+bwd is the forward and the VJP with the given cotangent dO (bf16 like o), with no loss
-around it: a loss such as sum(o * dO) and its backward cost 0.18 ms in XLA but 2.1 ms in torch
-eager at B23 (session 10), which is harness, not the op.
-
-`inputs` are the host numpy arrays of `Workload.make_inputs` (bf16 values held as float32).
+around it (a loss such as sum(o * dO) and its backward would be harness time, and far more of
+it in torch eager than in XLA). `inputs` are the host numpy arrays of `Workload.make_inputs`
+(bf16 values held as float32).
 
 The callable `setup` returns may carry `peak_bytes` (int): the device memory one call needs. JAX
 arms take it from XLA's compiled memory analysis (arguments + outputs + temporaries - aliased);
-torch arms from `torch.cuda.max_memory_allocated()` over one call (inputs included).
+torch arms from `torch.cuda.max_memory_allocated()` over one call, less what was allocated
+before the arm's setup (so its own inputs count, other arms' tensors do not).
 
-Adding an arm (e.g. the torch peers FlashQLA and FLA): write a factory `spec_options -> Arm`
-and add it to `FACTORIES`; set `framework="torch"` so the runner stops JAX from preallocating
-the GPU before it imports JAX. Arm specs on the command line are `name[:opt[:opt...]]`, e.g.
-`xla`, `cuda:full`, `cuda:full:det`; `base[:opts]` is the cuda backend of a baseline revision
-loaded beside this library (benchmarks/baseline.py).
+Specs on the command line are `name[:opt[:opt...]]`: `xla`, `cuda` (options light | full, det,
+P<n>), `base` (the cuda backend of a baseline revision loaded beside this library,
+benchmarks/baseline.py; options as cuda), `kcp:W[:...]` (see `kcp_arm`), `flashqla`, `fla`.
+Adding an arm: write a factory `options -> Arm` and add it to `FACTORIES`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Dict, List, Optional
+
+from benchmarks import frameworks
 
 
 class ArmUnavailable(RuntimeError):
@@ -42,10 +43,15 @@ class ArmUnavailable(RuntimeError):
 class Arm:
     name: str
     setup: Callable[[Any, str, Dict[str, Any]], Callable[[], Any]]
-    sync: Callable[[Any], None]
+    framework: frameworks.Framework
     to_numpy: Optional[Callable[[Any], List[Any]]] = None
-    framework: str = "jax"
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        # the runner syncs, flushes and profiles an arm only through these, its framework's own
+        self.sync = self.framework.sync
+        self.flush = self.framework.flush
+        self.device_times = self.framework.device_times
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,12 +81,14 @@ def _jax_inputs(wl, inputs):
     return _JAX_INPUT_CACHE[key]
 
 
-def build_jax_op(wl, op, *, backend, save_mode="light", deterministic=False, lib=None):
+def build_jax_op(wl, op, *, backend, save_mode="light", deterministic=False, segments=None,
+                 lib=None):
     """A jitted function `f(args, do, cu_seqlens)` for `op` and the names of `args`.
 
     fwd returns o; fwd+bwd returns (o, grads): the VJP of the layer with cotangent do (o is an
     output, so the forward runs as in training); ckpt is the same around `jax.checkpoint(layer)`
     (2 x fwd + bwd).
+    segments: passed to gdn only when given (ArmUnavailable if this gdn takes no `segments`).
     lib: the library module (default jax_cake_gdn; the `base` arm passes its jcg_base copy).
     """
     import jax
@@ -89,9 +97,13 @@ def build_jax_op(wl, op, *, backend, save_mode="light", deterministic=False, lib
         import jax_cake_gdn as lib
     jcg = lib
 
-    HK, HVV = wl.H * wl.K, wl.HV * wl.V
+    HK = wl.H * wl.K
     kw = dict(qk_l2norm=wl.qk_l2norm, save_mode=save_mode, deterministic=deterministic,
               backend=backend)
+    if segments is not None:
+        if "segments" not in inspect.signature(jcg.gdn).parameters:
+            raise ArmUnavailable(f"{jcg.__name__}.gdn takes no `segments` (option P{segments})")
+        kw["segments"] = segments
 
     if wl.layer:
         names = ("x", "conv_w", "g", "beta")
@@ -131,12 +143,6 @@ def _jax_to_numpy(res):
     return [np.asarray(x, np.float32) for x in jax.tree_util.tree_leaves(res)]
 
 
-def _jax_sync(res):
-    import jax
-
-    jax.block_until_ready(res)
-
-
 def _compiled_peak_bytes(fn, *args) -> Optional[int]:
     """Device bytes one call of jitted `fn` needs, from XLA's memory analysis (None if unknown)."""
     try:
@@ -148,13 +154,14 @@ def _compiled_peak_bytes(fn, *args) -> Optional[int]:
 
 
 def _jax_call(fn, *args):
-    """The zero-argument call of jitted `fn(*args)`, compiled and run once (ArmUnavailable if not)."""
+    """The zero-argument call of jitted `fn(*args)`, compiled and run once (ArmUnavailable if
+    not)."""
 
     def call():
         return fn(*args)
 
     try:
-        _jax_sync(call())  # compile now; backend="cuda" raises here where it cannot run
+        frameworks.jax_sync(call())  # compile now; backend="cuda" raises here where it cannot run
     except Exception as e:  # noqa: BLE001 - any failure to build means "skip, with reason"
         raise ArmUnavailable(f"{type(e).__name__}: {e}") from e
     call.peak_bytes = _compiled_peak_bytes(fn, *args)
@@ -163,18 +170,24 @@ def _jax_call(fn, *args):
 
 def jax_arm(backend: str, opts: List[str], *, baseline: bool = False) -> Arm:
     """`xla` / `cuda` (this library) or, with baseline=True, `base`: the cuda backend of the
-    baseline copy that `python -m benchmarks.baseline REV --dest DIR` made ($JCG_BASELINE=DIR)."""
-    save_mode, det = "light", False
+    baseline copy that `python -m benchmarks.baseline REV --dest DIR` made ($JCG_BASELINE=DIR).
+
+    Options: light (default) | full (save_mode), det (deterministic=True), P<n> (segments=n)."""
+    save_mode, det, segments = "light", False, None
     label = "base" if baseline else backend
     for o in opts:
         if o in ("light", "full"):
             save_mode = o
         elif o in ("det", "deterministic"):
             det = True
+        elif o.startswith("P") and o[1:].isdigit() and int(o[1:]) > 0:
+            segments = int(o[1:])
         else:
-            raise ValueError(f"arm {label}: unknown option {o!r} (light, full, det)")
+            raise ValueError(f"arm {label}: unknown option {o!r} (light, full, det, P<n>)")
     name = ":".join([label] + opts)
     options = {"backend": backend, "save_mode": save_mode, "deterministic": det}
+    if segments is not None:
+        options["segments"] = segments
 
     def setup(wl, op, inputs):
         lib = None
@@ -188,12 +201,12 @@ def jax_arm(backend: str, opts: List[str], *, baseline: bool = False) -> Arm:
             options["library"] = f"{bl.BASE} (revision {rev})"
         dev = _jax_inputs(wl, inputs)
         fn, names = build_jax_op(wl, op, backend=backend, save_mode=save_mode, deterministic=det,
-                                 lib=lib)
+                                 segments=segments, lib=lib)
         args = tuple(dev[n] for n in names)
         do, cu = dev["do"], dev["cu_seqlens"]
         return _jax_call(fn, args, do, cu)
 
-    return Arm(name=name, setup=setup, sync=_jax_sync, to_numpy=_jax_to_numpy, framework="jax",
+    return Arm(name=name, setup=setup, framework=frameworks.JAX, to_numpy=_jax_to_numpy,
                options=options)
 
 
@@ -202,24 +215,45 @@ def jax_arm(backend: str, opts: List[str], *, baseline: bool = False) -> Arm:
 # ------------------------------------------------------------------------------------------------
 
 
-def _torch_peer(kind):
-    """The peer's chunk_gated_delta_rule (FLA's with the two settings its 0.6.0 needs here)."""
+def _import_fla(module: str, name: str):
+    """`module.name` of FLA, imported with the settings FLA 0.6.0 needs here."""
+    import importlib
+    import os
+
+    os.environ.setdefault("FLA_FLASH_QLA", "0")  # keep FLA on its own Triton kernels
+    import fla.ops.common.chunk_o as chunk_o
+
+    # FLA 0.6.0 refuses its gated backward on Triton < 3.7.1 on Hopper (its issue 640); the GPU
+    # machine has Triton 3.6. For timing only, never as a correctness reference.
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return getattr(importlib.import_module(module), name)
+
+
+def _torch_gdn(kind):
+    """The peer's chunk_gated_delta_rule."""
     if kind == "fla":
-        import os
+        return _import_fla("fla.ops.gated_delta_rule", "chunk_gated_delta_rule")
+    from flash_qla import chunk_gated_delta_rule
 
-        os.environ.setdefault("FLA_FLASH_QLA", "0")  # keep FLA on its own Triton kernels
-        import fla.ops.common.chunk_o as chunk_o
-
-        # FLA 0.6.0 refuses its gated backward on Triton < 3.7.1 on Hopper (its issue 640);
-        # the GPU machine has Triton 3.6. For timing only, never as a correctness reference.
-        chunk_o.TRITON_ABOVE_3_7_1 = True
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    else:
-        from flash_qla import chunk_gated_delta_rule
     return chunk_gated_delta_rule
 
 
+def _fla_conv():
+    """FLA's Triton `causal_conv1d(x [B, T, D], weight [D, W], activation=, cu_seqlens=)` ->
+    (y, final state): the layer's conv for both torch peers. fla-core 0.6.0 has it in
+    fla.modules.causal_conv1d (older releases: fla.modules.convolution)."""
+    errors = []
+    for module in ("fla.modules.causal_conv1d", "fla.modules.convolution"):
+        try:
+            return _import_fla(module, "causal_conv1d")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{module}: {type(e).__name__}: {e}")
+    raise ArmUnavailable("the layer's conv needs FLA's causal_conv1d: " + "; ".join(errors))
+
+
 def torch_arm(kind: str, opts: List[str]) -> Arm:
+    """`flashqla` (FlashQLA's TileLang kernels) or `fla` (FLA's Triton kernels); the layer
+    workloads run FLA's causal_conv1d in front of either."""
     if opts:
         raise ValueError(f"arm {kind}: takes no options, got {opts}")
 
@@ -227,11 +261,13 @@ def torch_arm(kind: str, opts: List[str]) -> Arm:
         try:
             import torch
 
-            fn = _torch_peer(kind)
+            fn = _torch_gdn(kind)
         except Exception as e:  # noqa: BLE001
             raise ArmUnavailable(f"{kind} not importable: {type(e).__name__}: {e}") from e
         if not torch.cuda.is_available():
             raise ArmUnavailable("torch sees no CUDA device")
+        conv = _fla_conv() if wl.layer else None
+        before = torch.cuda.memory_allocated()
         act = torch.bfloat16 if wl.dtype == "bf16" else torch.float32
         grad = op != "fwd"
         t = lambda n, dt: torch.from_numpy(inputs[n]).to("cuda", dt)
@@ -240,16 +276,11 @@ def torch_arm(kind: str, opts: List[str]) -> Arm:
         gdn = lambda q, k, v, g, beta: fn(q, k, v, g, beta, cu_seqlens=cu,
                                           use_qk_l2norm_in_kernel=wl.qk_l2norm)[0]
         if wl.layer:
-            # both peers take FLA's Triton causal_conv1d (per document, SiLU) for the conv
-            try:
-                from fla.modules.causal_conv1d import causal_conv1d
-            except Exception as e:  # noqa: BLE001
-                raise ArmUnavailable(f"layer needs FLA's causal_conv1d: {e}") from e
             args = [t(n, act).requires_grad_(grad) for n in ("x", "conv_w")]
             HK, T = wl.H * wl.K, wl.T
 
             def layer(x, w, g, beta):
-                y = causal_conv1d(x, w, activation="silu", cu_seqlens=cu)[0]
+                y = conv(x, w, activation="silu", cu_seqlens=cu)[0]
                 q = y[..., :HK].reshape(1, T, wl.H, wl.K).contiguous()
                 k = y[..., HK:2 * HK].reshape(1, T, wl.H, wl.K).contiguous()
                 v = y[..., 2 * HK:].reshape(1, T, wl.HV, wl.V).contiguous()
@@ -277,21 +308,16 @@ def torch_arm(kind: str, opts: List[str]) -> Arm:
             torch.cuda.reset_peak_memory_stats()
             res = call()
             torch.cuda.synchronize()
-            call.peak_bytes = int(torch.cuda.max_memory_allocated())
+            call.peak_bytes = int(torch.cuda.max_memory_allocated()) - before
             del res
         except Exception as e:  # noqa: BLE001
             raise ArmUnavailable(f"{kind} failed: {type(e).__name__}: {e}") from e
         return call
 
-    def sync(_res):
-        import torch
-
-        torch.cuda.synchronize()
-
     def to_numpy(res):
         return [x.detach().float().cpu().numpy() for x in res]
 
-    return Arm(name=kind, setup=setup, sync=sync, to_numpy=to_numpy, framework="torch",
+    return Arm(name=kind, setup=setup, framework=frameworks.TORCH, to_numpy=to_numpy,
                options={"peer": kind})
 
 
@@ -387,8 +413,8 @@ def kcp_arm(opts: List[str]) -> Arm:
             out.append(np.asarray(x, np.float32))
         return out
 
-    return Arm(name=name, setup=setup, sync=_jax_sync, to_numpy=None if xonly else to_numpy,
-               framework="jax", options={**cfg, "ranks": W, "xonly": xonly})
+    return Arm(name=name, setup=setup, framework=frameworks.JAX,
+               to_numpy=None if xonly else to_numpy, options={**cfg, "ranks": W, "xonly": xonly})
 
 
 def _kcp_exchange_call(wl, op, cfg, W, mesh, cu):
@@ -408,19 +434,22 @@ def _kcp_exchange_call(wl, op, cfg, W, mesh, cu):
     M = jnp.asarray(rng.standard_normal(shape + (wl.K,)) * wl.K**-0.5, jnp.float32)
     B = jnp.asarray(rng.standard_normal(shape + (wl.V,)), jnp.float32)
     sh = NamedSharding(mesh, Ps(_KCP_AXIS))
-    M, B = jax.device_put(M, sh), jax.device_put(B, sh)
+    R = jnp.zeros((W * C, m), bool)  # no piece resets (exchanges that take reset flags)
+    M, B, R = (jax.device_put(x, sh) for x in (M, B, R))
     xch = ex.a2a if cfg["exchange"] == "a2a" else ex.ring
+    flags = "reset" in inspect.signature(xch).parameters
 
-    def local(M, B):
+    def local(M, B, R):
+        f = lambda M, B: xch(M, B, *((R,) if flags else ()), _KCP_AXIS, W)
         if op == "fwd":
-            return xch(M, B, _KCP_AXIS, W)
-        out, pull = jax.vjp(lambda M, B: xch(M, B, _KCP_AXIS, W), M, B)
+            return f(M, B)
+        out, pull = jax.vjp(f, M, B)
         return pull(out)
 
     spec = Ps(_KCP_AXIS)
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec),
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec),
                                out_specs=spec if op == "fwd" else (spec, spec)))
-    return _jax_call(fn, M, B)
+    return _jax_call(fn, M, B, R)
 
 
 FACTORIES: Dict[str, Callable[[List[str]], Arm]] = {

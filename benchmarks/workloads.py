@@ -1,12 +1,14 @@
-"""Benchmark workloads (DESIGN.md section 5), their random inputs, and the floor model.
+"""Benchmark workloads (docs/design.md, performance protocol), their random inputs, and the
+floor model.
 
 Every workload is packed (B = 1) with `cu_seqlens`. Inputs are generated on the host in numpy, so
-any framework (JAX arms now, torch arms later) times the same values: bf16 arrays are rounded to
-bf16 once and stored as float32 (exactly representable), arms cast them to their own bf16.
+every framework times the same values: bf16 arrays are rounded to bf16 once and stored as
+float32 (exactly representable), arms cast them to their own bf16.
 
-Names: `B23` (`B23rev`: its documents in reverse order), `long`, `small_heads`, `tiny`; append
-`-layer` (e.g. `B23-layer`) for the layer variant, a short causal conv (W = 4, SiLU) over the
-packed q/k/v channels followed by gdn.
+Names: `B23` (`B23rev`: its documents in reverse order), `long`, `small_heads`, `long131k`,
+`long262k`, `tiny`; append `-layer` (e.g. `B23-layer`) for the layer variant, a short causal conv
+(W = 4, SiLU) over the packed q/k/v channels followed by gdn. `custom` derives a workload of
+other shapes from a named one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Dict, Tuple
 import ml_dtypes
 import numpy as np
 
-# Measured H200 rates the floor divides by (DESIGN.md section 5).
+# Measured H200 rates the floor divides by (docs/design.md).
 PEAK_FLOPS = 795e12  # bf16 dense matmul, FLOP/s
 PEAK_BYTES = 4.26e12  # device copy, B/s
 
@@ -89,7 +91,9 @@ class Workload:
             C, W = self.conv_channels, self.conv_width
             out["x"] = act((1, T, C))
             w = rng.standard_normal((C, W), dtype=np.float32) / np.float32(np.sqrt(W))
-            out["conv_w"] = w.astype(ml_dtypes.bfloat16).astype(np.float32) if self.dtype == "bf16" else w
+            if self.dtype == "bf16":
+                w = w.astype(ml_dtypes.bfloat16).astype(np.float32)
+            out["conv_w"] = w
         else:
             out["q"] = act((1, T, H, K))
             out["k"] = act((1, T, H, K))
@@ -112,7 +116,7 @@ class Workload:
         Per token per value head the chunked form costs (C = chunk, full square products)
             walk 4KV (w S, K^T v_new) + output 2KV + 2CK + 2CV (Q S, Q K^T, P v_new)
             + WY 2CK + 2CK + 2CV (K K^T, w, u) + 2C^2/3 (the unit-lower inverse);
-        this shape function is normalised so that K = V = 128, C = 64 gives DESIGN.md's
+        this shape function is normalised so that K = V = 128, C = 64 gives the design's
         176 kFLOP forward and 508 kFLOP backward exactly. The layer adds the depthwise conv
         (2 W FLOP per channel per token forward, twice that backward).
         """
@@ -143,6 +147,10 @@ class Workload:
         F = act_in + gates + o
         Bw = 2 * (act_in + gates) + o  # read inputs + do, write grads
         return {"fwd": F, "fwd+bwd": F + Bw, "ckpt": 2 * F + Bw}[op]
+
+    def tflops(self, op: str, ms: float) -> float:
+        """The FLOP rate (TFLOP/s) of one call of `op` that takes `ms` milliseconds."""
+        return self.flops(op) / (ms * 1e-3) / 1e12
 
     def floor(self, op: str) -> dict:
         f, b = self.flops(op), self.bytes(op)
@@ -180,3 +188,50 @@ def get(name: str) -> Workload:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(names())}")
     w = _BASE[base]
     return dataclasses.replace(w, name=name, layer=True) if layer else w
+
+
+def split_evenly(tokens: int, docs: int) -> Tuple[int, ...]:
+    """`docs` document lengths summing to `tokens`, the first `tokens % docs` one longer."""
+    if docs < 1 or tokens < docs:
+        raise ValueError(f"need 1 <= docs <= tokens, got {docs} docs of {tokens} tokens")
+    q, r = divmod(tokens, docs)
+    return tuple(q + (i < r) for i in range(docs))
+
+
+def _pair(text: str, what: str) -> Tuple[int, int]:
+    parts = [int(x) for x in str(text).split(",")]
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2 or min(parts) < 1:
+        raise ValueError(f"{what}: one or two positive integers, got {text!r}")
+    return parts[0], parts[1]
+
+
+def custom(base: Workload, *, tokens=None, docs=None, heads=None, head_dim=None) -> Workload:
+    """`base` with other shapes; each argument left None keeps the base's.
+
+    tokens: T. docs: document lengths "a,b,c" (they sum to T when both are given) or a count N
+    ("4": T split evenly). tokens alone splits T evenly over the base's document count.
+    heads: "H,HV" (HV a multiple of H) or "H" (HV = H). head_dim: "K,V" or "D" (K = V = D).
+    The name says the shape, e.g. `T4096-N3-H2x4-K64V64` (`-layer` kept).
+    """
+    doc_lens = base.doc_lens
+    if docs is not None:
+        parts = [int(x) for x in str(docs).split(",") if x.strip()]
+        if len(parts) == 1:
+            doc_lens = split_evenly(tokens if tokens is not None else base.T, parts[0])
+        else:
+            if min(parts) < 1:
+                raise ValueError(f"document lengths must be positive, got {docs!r}")
+            doc_lens = tuple(parts)
+            if tokens is not None and tokens != sum(parts):
+                raise ValueError(f"--docs sum to {sum(parts)} tokens, not --tokens {tokens}")
+    elif tokens is not None:
+        doc_lens = split_evenly(tokens, base.N)
+    H, HV = _pair(heads, "heads") if heads is not None else (base.H, base.HV)
+    if HV % H:
+        raise ValueError(f"heads: HV ({HV}) must be a multiple of H ({H})")
+    K, V = _pair(head_dim, "head_dim") if head_dim is not None else (base.K, base.V)
+    T = sum(doc_lens)
+    name = f"T{T}-N{len(doc_lens)}-H{H}x{HV}-K{K}V{V}" + ("-layer" if base.layer else "")
+    return dataclasses.replace(base, name=name, doc_lens=tuple(doc_lens), H=H, HV=HV, K=K, V=V)
