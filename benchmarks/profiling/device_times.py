@@ -1,17 +1,17 @@
 """Device time of every kernel inside one gdn call, from Nsight Compute.
 
-    python -m benchmarks.profiling.device_times --workload B23 [--ops fwd,fwd+bwd] [--modes light,full]
-                                      [--backend cuda] [--out DIR]
+    python -m benchmarks.profiling.device_times --workload B23 [--ops fwd,fwd+bwd]
+        [--modes light,full] [--backend cuda] [--out DIR]
 
 For each (op, save mode) a child process runs the jitted op of `benchmarks.arms.build_jax_op` once
 under `ncu --metrics gpu__time_duration.sum` (inputs are rounded on the host and copied, and
 XLA's autotuner is off, so the op's own launches are the only kernels), and this process prints
 each launch in order with its device time, the kernel totals and their sum. Unlike
-`benchmarks.profiling.kernels` (wall clock per call, one dispatch each) this shows XLA's own fusions between
-the primitives and sums to the op's GPU time without launch gaps; unlike a timed run it
-serialises the launches (ncu), so use it to see where the time goes, never as a result to compare
-with peers. Needs ncu (PATH, CUDA_HOME/bin or
-/opt/nvidia/nsight-compute/*/) and a GPU; `--out` writes the rows as JSON.
+`benchmarks.profiling.kernels` (wall clock per call, one dispatch each) this shows XLA's own
+fusions between the primitives and sums to the op's GPU time without launch gaps; unlike a timed
+run it serialises the launches (ncu), so use it to see where the time goes, never as a result to
+compare with peers. Needs ncu (PATH, CUDA_HOME/bin or /opt/nvidia/nsight-compute/*/) and a GPU;
+`--out` writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def _child(args) -> None:
 
 def _run_one(ncu: str, workload: str, op: str, mode: str, backend: str) -> List[Tuple[str, float]]:
     cmd = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
-           sys.executable, "-m", "benchmarks.profiling.device_times", _CHILD, "--workload", workload,
-           "--ops", op, "--modes", mode, "--backend", backend]
+           sys.executable, "-m", "benchmarks.profiling.device_times", _CHILD,
+           "--workload", workload, "--ops", op, "--modes", mode, "--backend", backend]
     # no autotuning: its timing kernels (DelayKernel, RedzoneAllocator, ...) would join the list
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=flags)

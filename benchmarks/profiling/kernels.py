@@ -1,6 +1,7 @@
 """Per-primitive times of one backend on a workload: where the time of gdn's fwd and bwd goes.
 
-    python -m benchmarks.profiling.kernels --workload B23 [--backend cuda] [--calls 20] [--out DIR] [--base]
+    python -m benchmarks.profiling.kernels --workload B23 [--backend cuda] [--calls 20] [--out DIR]
+                                           [--base] [--only REGEX]
 
 Each primitive runs as its own jitted call on inputs precomputed by the same backend (the
 intermediates of one light forward and one full backward), median of `--calls` calls after two
@@ -25,6 +26,7 @@ import argparse
 import inspect
 import json
 import os
+import re
 import sys
 import time
 
@@ -165,8 +167,7 @@ def primitive_calls(wl, backend: str, lib=None):
         ("fwd: gate_cumsum", jax.jit(P.gate_cumsum), (g, ct)),
         *light,
         *full,
-        # kcp's transfer walk (prep, state_walk); the output kernel from h, v_new (full's forward
-        # before session 24)
+        # kcp's transfer walk (prep, state_walk); the output kernel from h, v_new
         ("transfer walk: prep", jax.jit(P.prep), (k, v, beta, G, rk, ct)),
         ("transfer walk: state_walk", jax.jit(P.state_walk), (k, w, u, G, h0, rk, ct)),
         ("output from h, v_new", jax.jit(out), (q, k, G, h, vn, rq, rk, ct)),
@@ -211,6 +212,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="directory for kernels_<workload>_<backend>.json")
     ap.add_argument("--base", action="store_true",
                     help="also time the baseline copy ($JCG_BASELINE, benchmarks/baseline.py)")
+    ap.add_argument("--only", default="", help="time only the rows whose name matches this regex")
     args = ap.parse_args(argv)
     if args.calls < 1:
         ap.error("--calls must be >= 1")
@@ -220,7 +222,8 @@ def main(argv=None):
     wl = workloads.get(args.workload)
     rows, base_rows, base_rev, base_equal, base_ratio = {}, {}, None, {}, {}
     print(f"[kernels] {wl.name} backend={args.backend} device={jax.devices()[0]}", flush=True)
-    cur = primitive_calls(wl, args.backend) + whole_op_calls(wl, args.backend)
+    cur = [row for row in primitive_calls(wl, args.backend) + whole_op_calls(wl, args.backend)
+           if re.search(args.only, row[0])]
     if args.base:
         from .. import baseline
 

@@ -2,9 +2,9 @@
 
 On the GPU machine, profile one launch with source counters and export the SASS view:
 
-    ncu --set full --import-source yes --kernel-name regex:prep_kernel --launch-count 1 -o /tmp/p \\
-        python -m benchmarks.profiling.device_times --child --workload B23 --ops fwd --modes light \\
-        --backend cuda
+    ncu --set full --import-source yes --kernel-name regex:prep_kernel --launch-count 1 \\
+        -o /tmp/p python -m benchmarks.profiling.device_times --child --workload B23 --ops fwd \\
+        --modes light --backend cuda
     ncu --import /tmp/p.ncu-rep --page source --csv --print-source sass > prep_sass.csv
 
 then, anywhere:
@@ -13,9 +13,9 @@ then, anywhere:
 
 prints the samples by stall reason, the instructions with the most samples (and each one's
 leading reason), and with `--split` the samples between consecutive instructions that contain
-one of the given substrings (a region ends at and includes its marker), which is how
-notes/performance.md locates the phases of a kernel (its barriers, waits and exits). ncu charges
-a warp's wait at a barrier to the instruction after the barrier (stall reason "barrier").
+one of the given substrings (a region ends at and includes its marker): split at a kernel's
+barriers, waits and exits, the regions are its phases. ncu charges a warp's wait at a barrier to
+the instruction after the barrier (stall reason "barrier").
 """
 
 from __future__ import annotations
