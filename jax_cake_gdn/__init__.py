@@ -3,9 +3,10 @@
 from .conv import short_conv
 from .gdn import gdn, saved_bytes, saved_layout
 from .kcp import from_layout, gdn_kcp, plan_kcp, to_layout
+from .recurrent import gdn_step
 
 __all__ = ["gdn", "gdn_kcp", "short_conv", "saved_layout", "saved_bytes", "to_layout",
-           "from_layout", "plan_kcp", "GatedDeltaNet"]
+           "from_layout", "plan_kcp", "GatedDeltaNet", "gdn_step"]
 __version__ = "0.1.0"
 
 
