@@ -69,13 +69,16 @@ def gdn_step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.A
           f32(g).reshape(B, T, H, R), f32(beta).reshape(B, T, H, R))
     xs = jax.tree.map(lambda x: jnp.moveaxis(x, 1, 0), xs)  # time first for the scan
 
-    def step(S, x):
-        qt, kt, vt, gt, bt = x  # qt, kt [B, H, 1, K]; vt [B, H, R, V]; gt, bt [B, H, R]
-        S = S * jnp.exp(gt)[..., None, None]
-        kS = jnp.einsum("bhrk,bhrkv->bhrv", kt, S, precision=_HI)
-        S = S + (bt[..., None, None] * kt[..., :, None]) * (vt - kS)[..., None, :]
-        return S, scale * jnp.einsum("bhrk,bhrkv->bhrv", qt, S, precision=_HI)
-
-    S, o = jax.lax.scan(step, S.reshape(B, H, R, K, V), xs)
-    o = jnp.moveaxis(o, 0, 1).reshape(B, T, HV, V).astype(v.dtype)
+    S, o = jax.lax.scan(_step, S.reshape(B, H, R, K, V), xs)
+    o = (scale * jnp.moveaxis(o, 0, 1)).reshape(B, T, HV, V).astype(v.dtype)
     return o, S.reshape(B, HV, K, V)
+
+
+def _step(S, x):
+    """One token: S [B, H, R, K, V]; q, k [B, H, 1, K]; v [B, H, R, V]; g, beta [B, H, R].
+    Module level (no closure), so eager calls reuse the compiled scan."""
+    qt, kt, vt, gt, bt = x
+    S = S * jnp.exp(gt)[..., None, None]
+    kS = jnp.einsum("bhrk,bhrkv->bhrv", kt, S, precision=_HI)
+    S = S + (bt[..., None, None] * kt[..., :, None]) * (vt - kS)[..., None, :]
+    return S, jnp.einsum("bhrk,bhrkv->bhrv", qt, S, precision=_HI)  # unscaled o
