@@ -12,10 +12,12 @@ import pytest
 from conftest import make_inputs, rel_rms, uneven_cu_seqlens
 
 from jax_cake_gdn import gdn
+from jax_cake_gdn import fla
 from jax_cake_gdn.fla import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from jax_cake_gdn.reference import gdn_reference
 
 F = jax.nn  # torch.nn.functional's role below
+SHAPE = dict(B=2, T=70, H=2, HV=4, K=16, V=16)  # one shape for most tests: gdn compiles once
 
 
 def normalize(x, axis=-1):  # F.normalize(x, p=2, dim=-1)
@@ -23,10 +25,12 @@ def normalize(x, axis=-1):  # F.normalize(x, p=2, dim=-1)
     return (xf / jnp.maximum(jnp.linalg.norm(xf, axis=axis, keepdims=True), 1e-12)).astype(x.dtype)
 
 
-def test_docstring_example():
-    ks = iter(jax.random.split(jax.random.PRNGKey(0), 8))
-    randn = lambda *s, dtype: jax.random.normal(next(ks), s, jnp.float32).astype(dtype)
-    rand = lambda *s, dtype: jax.random.uniform(next(ks), s, jnp.float32).astype(dtype)
+def test_docstring_example(rng):
+    # jitted, as JAX code runs it (the flags are static); torch.randn / torch.rand from numpy
+    chunk_gated_delta_rule = jax.jit(fla.chunk_gated_delta_rule,
+                                     static_argnames=("output_final_state",))
+    randn = lambda *s, dtype: jnp.asarray(rng.standard_normal(s), dtype)
+    rand = lambda *s, dtype: jnp.asarray(rng.random(s), dtype)
     bf16 = jnp.bfloat16
     # inputs with equal lengths (FLA: B, T, H, HV, K, V = 4, 2048, 4, 8, 512, 512)
     B, T, H, HV, K, V = 4, 96, 2, 4, 32, 32
@@ -60,7 +64,7 @@ def test_docstring_example():
 
 def test_always_a_pair(rng):
     """FLA's `o, _ = ...` habit: the pair comes back whatever output_final_state says."""
-    q, k, v, g, beta, _ = make_inputs(rng, B=2, T=70, H=2, HV=4, K=16, V=16)
+    q, k, v, g, beta, _ = make_inputs(rng, **SHAPE)
     o, ht = chunk_gated_delta_rule(q, k, v, g, beta)
     assert o.shape == (2, 70, 4, 16) and ht is None
     o_ref, _ = gdn_reference(q, k, v, g, beta)
@@ -94,7 +98,7 @@ def test_positional_order_and_gate_options(rng):
 def test_fla_dtypes(rng):
     """bf16 / fp16 g, beta, initial_state become float32; fp16 q, k, v run as bf16 and o comes
     back fp16."""
-    q, k, v, g, beta, h0 = make_inputs(rng, B=2, T=80, H=2, HV=2, K=16, V=16, num_states=2)
+    q, k, v, g, beta, h0 = make_inputs(rng, **SHAPE, num_states=2)
     half, bf16 = jnp.float16, jnp.bfloat16
     o, ht = chunk_gated_delta_rule(q.astype(half), k.astype(half), v.astype(half),
                                    g.astype(bf16), beta.astype(half), initial_state=h0.astype(bf16),
@@ -112,12 +116,12 @@ def test_fla_dtypes(rng):
 @pytest.mark.parametrize("fn", [chunk_gated_delta_rule, fused_recurrent_gated_delta_rule])
 def test_state_v_first(rng, fn):
     """FLA's V-first state [.., V, K] in and out: the transpose of the [.., K, V] result."""
-    q, k, v, g, beta, h0 = make_inputs(rng, B=2, T=20, H=1, HV=2, K=8, V=16, num_states=2)
+    q, k, v, g, beta, h0 = make_inputs(rng, **dict(SHAPE, V=8), num_states=2)
     pos = (g, beta) if fn is chunk_gated_delta_rule else (g, None, None, beta)
     o, ht = fn(q, k, v, *pos, initial_state=h0, output_final_state=True)
     o_t, ht_t = fn(q, k, v, *pos, initial_state=jnp.swapaxes(h0, -1, -2), output_final_state=True,
                    state_v_first=True)
-    assert ht_t.shape == (2, 2, 16, 8)
+    assert ht_t.shape == (2, 4, 8, 16)
     np.testing.assert_array_equal(o_t, o)
     np.testing.assert_array_equal(ht_t, jnp.swapaxes(ht, -1, -2))
     with pytest.warns(DeprecationWarning, match="state_v_first"):
@@ -128,13 +132,13 @@ def test_state_v_first(rng, fn):
 
 def test_fused_recurrent_decode_after_chunk_prefill(rng):
     """HF Qwen3-Next's pattern: chunk over the prompt, fused_recurrent for each new token."""
-    q, k, v, g, beta, _ = make_inputs(rng, B=2, T=75, H=2, HV=4, K=16, V=16, qk_l2norm=True)
-    P_ = 70
+    q, k, v, g, beta, _ = make_inputs(rng, **SHAPE, qk_l2norm=True)
+    P_ = 65
     sl = lambda a, b: [x[:, a:b] for x in (q, k, v, g, beta)]
     os_, (o, state) = [], chunk_gated_delta_rule(*sl(0, P_), output_final_state=True,
                                                  use_qk_l2norm_in_kernel=True)
     os_.append(o)
-    for t in range(P_, 75):
+    for t in range(P_, 70):
         qt, kt, vt, gt, bt = sl(t, t + 1)
         o, state = fused_recurrent_gated_delta_rule(qt, kt, vt, g=gt, beta=bt,
                                                     initial_state=state, output_final_state=True,
@@ -143,7 +147,7 @@ def test_fused_recurrent_decode_after_chunk_prefill(rng):
     o_ref, s_ref = gdn_reference(q, k, v, g, beta, qk_l2norm=True)
     assert rel_rms(jnp.concatenate(os_, 1), o_ref) <= 1e-5 and rel_rms(state, s_ref) <= 1e-5
     # with cu_seqlens it runs the chunked op (same recurrence)
-    cu = np.array([0, 30, 75], np.int32)
+    cu = np.array([0, 30, 70], np.int32)
     o1, s1 = fused_recurrent_gated_delta_rule(q[:1], k[:1], v[:1], g[:1], beta=beta[:1],
                                               cu_seqlens=cu, output_final_state=True)
     o1_ref, s1_ref = gdn_reference(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=cu)
