@@ -311,3 +311,13 @@ def test_sharding_annotations(rng):
         mesh_spec = NamedSharding(m, P(*(dict(rules).get(a, a) for a in spec)))
         assert arr.sharding.is_equivalent_to(mesh_spec, arr.ndim), (path, arr.sharding)
     assert rel_rms(y, nnx.jit(lambda m, x: m(x))(plain, x)) <= 1e-5
+
+
+def test_demo_generate(capsys):
+    from jax_cake_gdn import demo
+
+    rc = demo.main(["--generate", "--tokens", "70", "--batch", "2", "--new-tokens", "3",
+                    "--heads", "1,2", "--head-dim", "16", "--d-model", "32", "--dtype", "f32",
+                    "--backend", "xla"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "OK" in out and "decode:" in out, out
