@@ -110,14 +110,14 @@ def test_layer_matches_hf_forward(rng, nk, nv, dk, dv, conv_bias):
 
 
 def test_prefix_and_config_object(rng):
-    cfg = hf_config(1, 2, 8, 8)
+    cfg = hf_config(2, 4, 16, 8)  # the first test's shapes: the ops are compiled already
     sd = hf_weights(rng, cfg)
     model_sd = {f"model.layers.3.linear_attn.{k}": v for k, v in sd.items()}
     model_sd["model.layers.3.mlp.gate.weight"] = np.zeros(3)  # other entries are ignored
     cfg_obj = type("Qwen3NextConfig", (), cfg)()
     layer = from_qwen3_next(model_sd, cfg_obj, prefix="model.layers.3.linear_attn.",
                             dtype=jnp.float32, backend="xla")
-    x = rng.standard_normal((1, 9, cfg["hidden_size"])).astype(np.float32)
+    x = rng.standard_normal((2, 77, cfg["hidden_size"])).astype(np.float32)
     assert rel_rms(layer(jnp.asarray(x)), hf_forward(sd, cfg, x)) <= 3e-6
     assert layer.dtype == jnp.float32 and layer.q_proj.kernel.dtype == jnp.float32
 
