@@ -62,8 +62,8 @@ def _conv_kcp(x, weight, cu, axis_name, layout, activation):
     """The rank's conv: rows before a piece's first token come from the previous piece of its
     chain (kcp/layout.py), never across a document start; autodiff sends their gradient back."""
     from .kcp import exchange as ex
-    from .kcp.gdn_kcp import axis_size, doc_positions as kcp_doc_positions
-    from .kcp.layout import check_layout, local_global_positions, rank_pieces
+    from .kcp.layout import (axis_size, check_layout, doc_positions, local_global_positions,
+                             rank_pieces)
 
     W_ranks = axis_size(axis_name)
     T_l, C = x.shape
@@ -85,7 +85,7 @@ def _conv_kcp(x, weight, cu, axis_name, layout, activation):
                          jnp.take_along_axis(hist, jnp.clip(e, 0, H - 1)[..., None], axis=-2))
         hist = ex.neighbor_rows(tail, axis_name, W_ranks)
     gpos = local_global_positions(pieces, T_l)
-    pos = kcp_doc_positions(gpos, cu)
+    pos = doc_positions(gpos, cu)
     flat_ls = ls.reshape(-1)
     starts = jnp.where(ln.reshape(-1) > 0, flat_ls, T_l + 1)
     order = jnp.argsort(starts, stable=True)
@@ -148,7 +148,7 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
     if axis_name is not None:
         if cu_seqlens is None:
             raise ValueError("short_conv with axis_name (context parallel) needs cu_seqlens")
-        from .kcp.gdn_kcp import axis_size
+        from .kcp.layout import axis_size
 
         check_cu_seqlens(cu_seqlens, B, T * axis_size(axis_name))
         y = _conv_kcp(x.reshape(T, C), weight, cu_seqlens, axis_name, layout, activation)

@@ -66,19 +66,18 @@ def test_save_modes_bitwise_and_exchanges_agree(rng, layout):
     cu = docs_for(layout, W, T, rng)
     args = make_inputs(rng, T=T, H=2, HV=2, K=16, V=16)[:5]
     do = jnp.asarray(rng.standard_normal((1, T, 2, 16)), jnp.float32)
-    forms = [("a2a", True), ("a2a", False), ("ring", False)]
     results = {}
-    for exchange, st in forms:
+    for exchange in ("a2a", "ring"):
         for mode in ("light", "full"):
-            results[exchange, st, mode] = run_kcp(W, layout, cu, args, do, exchange=exchange,
-                                                  save_transfer=st, save_mode=mode, segments=2)
-    for exchange, st in forms:
-        (o_l, light), (o_f, full) = results[exchange, st, "light"], results[exchange, st, "full"]
+            results[exchange, mode] = run_kcp(W, layout, cu, args, do, exchange=exchange,
+                                              save_mode=mode, segments=2)
+    for exchange in ("a2a", "ring"):
+        (o_l, light), (o_f, full) = results[exchange, "light"], results[exchange, "full"]
         np.testing.assert_array_equal(o_l, o_f)  # one walk_output for o in both modes
         for a, b in zip(light, full):
             np.testing.assert_array_equal(a, b)
-    _, a2a = results["a2a", True, "light"]
-    _, ring = results["ring", False, "light"]
+    _, a2a = results["a2a", "light"]
+    _, ring = results["ring", "light"]
     for a, b in zip(a2a, ring):
         assert rel_rms(a, b) <= 1e-6
 
@@ -98,15 +97,14 @@ def test_short_conv_kcp_matches_one_device(rng, W, layout):
     assert rel_rms(dw, dw_ref) <= 1e-6
 
 
-@pytest.mark.parametrize("save_mode,save_transfer,segments", [
-    ("light", True, 1), ("light", False, 2), ("full", False, 1), ("full", False, 3),
-    ("full", True, 2)])
-def test_saved_layout_kcp_equals_residuals(rng, save_mode, save_transfer, segments):
-    W, T = 4, 256
+@pytest.mark.parametrize("save_mode,segments,W", [
+    ("light", 1, 4), ("light", 2, 4), ("full", 1, 4), ("full", 3, 4), ("light", 1, 1),
+    ("full", 2, 1)])
+def test_saved_layout_kcp_equals_residuals(rng, save_mode, segments, W):
+    T = 256
     cu = docs_for("contiguous", W, T, rng)
     args = make_inputs(rng, T=T, H=2, HV=2, K=16, V=16, dtype=jnp.bfloat16)[:5]
-    kw = dict(save_mode=save_mode, save_transfer=save_transfer, segments=segments,
-              exchange="a2a")
+    kw = dict(save_mode=save_mode, segments=segments, exchange="a2a")
     layout = J.saved_layout(*args, cu_seqlens=cu, num_ranks=W, **kw)
     m = mesh(W)
     kept = []
@@ -124,11 +122,12 @@ def test_saved_layout_kcp_equals_residuals(rng, save_mode, save_transfer, segmen
                    jax.device_put(jnp.asarray(cu), NamedSharding(m, P())))
     assert sorted((s, str(d)) for s, d, _ in layout.values()) == sorted(kept)
     HV, K = 2, 16
-    if (save_mode == "full" or save_transfer) and segments > 1:
-        assert layout["kcp_M_seg"][0] == (segments, 1, HV, K, K)
-        assert layout["kcp_M_seg"][2] == segments * HV * K * K * 4
-    if not save_transfer and save_mode == "light":
-        assert "kcp_M_seg" not in layout
+    if W > 1 or segments > 1:  # the transposed merge reads the units' M in either save mode
+        assert layout["gdn_M"][0] == (segments, HV, K, K)
+        assert layout["gdn_M"][2] == segments * HV * K * K * 4
+    else:  # nothing crosses a boundary: gdn's residuals alone
+        assert "gdn_M" not in layout
+    assert ("gdn_w" in layout) == (save_mode == "full")
     assert J.saved_bytes(*args, cu_seqlens=cu, num_ranks=W, **kw) == sum(
         b for _, _, b in layout.values())
 
@@ -158,10 +157,14 @@ def test_lowered_step_has_the_exchange_collective(rng, exchange, collective):
     hlo = step.trace(*sds, cu).lower(lowering_platforms=("cuda",)).as_text()
     assert f"stablehlo.{collective}" in hlo
     if backend == "cuda":  # the kernels of the forward, the replay and the backward (grad only:
-        # the light forward's walk_output is dead code here, o itself is not needed)
-        for name in ("gate_cumsum", "l2norm_rstd", "prep", "state_walk", "replay",
-                     "walk_chunk_bwd"):
+        # the light forward's walk_output is dead code here, o itself is not needed), the units'
+        # summaries and their backward twin; never the old transfer walks through prep and
+        # state_walk
+        for name in ("gate_cumsum", "l2norm_rstd", "solve_a", "transfer", "replay",
+                     "transfer_bwd", "walk_chunk_bwd"):
             assert f"jax_cake_gdn_{name}" in hlo, name
+        for name in ("prep", "state_walk"):
+            assert f"jax_cake_gdn_{name}(" not in hlo, name
         # no zero-size custom-call operand (they crash XLA's SPMD partitioner on GPUs); a scalar
         # operand's layout attribute is an empty tensor<0xindex>, not an operand
         calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_" in ln]
@@ -193,7 +196,6 @@ def _call_kcp(W, grad=False, **kw):
 
 
 @pytest.mark.parametrize("kw,text", [
-    (dict(exchange="ring", save_transfer=True), "requires save_transfer=False"),
     (dict(layout="stripes"), "layout must be one of"),
     (dict(exchange="tree"), "exchange must be one of"),
     (dict(layout="doc_zigzag", cu=np.array([0, 100, 256], np.int32)), "document 0"),
@@ -232,13 +234,20 @@ def test_gdn_kcp_outside_shard_map(rng):
 
 
 def test_plan():
-    assert plan_kcp(32768, 48, num_ranks=1).P > 1  # one piece x 48 heads < 132 SMs
-    # 48 heads: P = 8 (three waves of 1/8 chains); P = 3 takes two waves of 1/3 chains
-    assert plan_kcp(131072, 48, num_ranks=2).P == 8
-    assert plan_kcp(4 * 64, 48, num_ranks=2).P == 1  # 4 chunks: no room for two segments
-    assert plan_kcp(8 * 64, 48, num_ranks=2).P == 2
+    # B23 on one rank: 4 documents x 48 value heads = 192 chains fill 132 SMs: no units
+    assert plan_kcp(32768, 48, num_ranks=1, num_docs=4).P == 1
+    # one document x 48 heads leaves SMs idle: units
+    assert plan_kcp(65536, 48, num_ranks=1, num_docs=1).P > 1
+    assert plan_kcp(131072, 48, num_ranks=2, num_docs=1).P > 1
+    assert plan_kcp(4 * 64, 48, num_ranks=2).P == 1  # 4 chunks: no room for two units
+    # doc_zigzag holds two fragments of every document on every rank
     assert plan_kcp(32768, 48, layout="doc_zigzag", num_ranks=2, num_docs=4).P == 1
+    assert plan_kcp(32768, 48, layout="doc_zigzag", num_ranks=2, num_docs=1).P > 1
     assert plan_kcp(256, 2, num_ranks=1, segments=5).P == 5
+    with pytest.raises(ValueError, match="layout must be one of"):
+        plan_kcp(256, 2, layout="bogus")
+    with pytest.raises(ValueError, match="num_ranks must be a positive int"):
+        plan_kcp(256, 2, num_ranks=0)
 
 
 @pytest.mark.parametrize("segments", (2, 3))

@@ -33,6 +33,21 @@ class Pieces(NamedTuple):
     global_start: jax.Array  # first global token
 
 
+def axis_size(axis_name) -> int:
+    """Ranks on `axis_name`; a clear error outside shard_map."""
+    try:
+        return jax.lax.axis_size(axis_name)
+    except NameError as e:
+        raise ValueError(f"gdn_kcp/short_conv with axis_name={axis_name!r} must be called inside "
+                         f"jax.shard_map over a mesh with that axis ({e})") from None
+
+
+def doc_positions(gpos, cu):
+    """In-document position of global token positions gpos, for global bounds cu."""
+    doc = jnp.searchsorted(cu[1:], gpos, side="right", method="compare_all")
+    return gpos - cu[jnp.minimum(doc, cu.shape[0] - 2)]
+
+
 def chains_and_m(layout: str, num_docs: int) -> tuple[int, int]:
     """(C chains, m pieces per chain per rank)."""
     return {"contiguous": (1, 1), "zigzag": (1, 2), "doc_zigzag": (num_docs, 2)}[layout]

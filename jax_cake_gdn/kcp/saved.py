@@ -2,8 +2,7 @@
 
 Shapes are static per rank, so every rank keeps the same set. Entries come from JAX's own residual
 analysis of `jax.vjp(gdn_kcp)` under an abstract mesh: named ones carry their checkpoint name
-(`gdn_*`, `kcp_*`), others the operation and source line that produced them. Inputs that both
-`_gdn_packed` calls keep are listed once per call (the buffers alias).
+(`gdn_*`), others the operation and source line that produced them.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .gdn_kcp import gdn_kcp
-from .plan import plan_kcp
 
 _AXIS = "kcp"
 
@@ -32,7 +30,7 @@ def _name(desc: str) -> str:
 
 
 def saved_layout_kcp(q, k, v, g, beta, *, cu_seqlens, num_ranks: int, layout="contiguous",
-                     exchange="a2a", save_mode="light", save_transfer=None, segments=None,
+                     exchange="a2a", save_mode="light", segments=None, num_docs=None,
                      scale=None, qk_l2norm=False, backend=None, A_log=None, dt_bias=None,
                      **kw):
     """Per-rank residuals of gdn_kcp: {name: (shape, dtype, bytes)}; q..beta are global shapes.
@@ -45,10 +43,12 @@ def saved_layout_kcp(q, k, v, g, beta, *, cu_seqlens, num_ranks: int, layout="co
     cu = jax.ShapeDtypeStruct(np.shape(cu_seqlens), jnp.int32, sharding=rep)
     vecs = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
             for n, x in (("A_log", A_log), ("dt_bias", dt_bias)) if x is not None}
-    kw = {n: kw[n] for n in ("use_gate_in_kernel", "use_beta_sigmoid_in_kernel",
-                             "allow_neg_eigval") if n in kw}
-    kw.update(layout=layout, exchange=exchange, save_mode=save_mode, save_transfer=save_transfer,
-              segments=segments, scale=scale, qk_l2norm=qk_l2norm, backend=backend)
+    gates = ("use_gate_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval")
+    unknown = sorted(set(kw) - set(gates))
+    if unknown:
+        raise TypeError(f"saved_layout got unexpected arguments {unknown}")
+    kw.update(layout=layout, exchange=exchange, save_mode=save_mode, segments=segments,
+              num_docs=num_docs, scale=scale, qk_l2norm=qk_l2norm, backend=backend)
     found = []
 
     def body(q, k, v, g, beta, cu, vecs):
@@ -67,10 +67,4 @@ def saved_layout_kcp(q, k, v, g, beta, *, cu_seqlens, num_ranks: int, layout="co
         key = name if seen[name] == 1 else f"{name} #{seen[name]}"
         dt = jnp.dtype(aval.dtype)
         out[key] = (tuple(aval.shape), dt, int(np.prod(aval.shape)) * dt.itemsize)
-    T_l = q.shape[1] // W
-    plan = plan_kcp(T_l, v.shape[2], layout=layout, num_ranks=W, num_docs=np.shape(cu_seqlens)[0]
-                    - 1, segments=segments)
-    if save_mode == "full" and plan.P > 1 and "kcp_M_seg" not in out:
-        raise RuntimeError("internal error: a full saved set at P > 1 must keep kcp_M_seg "
-                           "(the backward merges read M_seg^T); refusing to report one without")
     return out

@@ -13,7 +13,9 @@ on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state wal
 and each chunk's dvn), chunk_bwd (all input gradients from them), walk_chunk_bwd (the two in
 one, gdn's backward: the cuda one starts chunk_bwd's CTAs on the SMs the walk leaves idle).
 nan_unless (o, or NaN everywhere when traced cu_seqlens are malformed; the cuda one works in
-place).
+place). Segments and context parallelism: transfer (the affine summaries M, B of the units that
+need them, one state-only walk) and transfer_bwd (its backward twin: each carry-taking unit's
+entry gradient from a zero exit gradient).
 Signatures: see primitives/xla.py.
 
 The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
@@ -57,15 +59,19 @@ class Primitives(NamedTuple):
     walk_chunk_bwd: Callable
     walk_output: Callable
     nan_unless: Callable
+    transfer: Callable
+    transfer_bwd: Callable
 
 
 XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.solve_a,
                  xla.state_walk, xla.replay, xla.output, xla.walk_bwd, xla.chunk_bwd,
-                 xla.walk_chunk_bwd, xla.walk_output, xla.nan_unless)
+                 xla.walk_chunk_bwd, xla.walk_output, xla.nan_unless, xla.transfer,
+                 xla.transfer_bwd)
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
 CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "solve_a", "state_walk", "replay",
-                "output", "walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd", "nan_unless")
+                "output", "walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd", "nan_unless",
+                "transfer", "transfer_bwd")
 BACKENDS = ("xla", "cuda")
 
 
@@ -109,6 +115,14 @@ def _cuda_primitives() -> Primitives:
                                    ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len,
                                    ct.seg_order, scale=scale, deterministic=deterministic)
 
+    def transfer(k, v, beta, G, A, h0, rstd_k, ct, m_seg, b_seg):
+        return cuda.transfer(k, v, beta, A, G, h0, rstd_k, ct.start, ct.length, ct.seg_first,
+                             ct.seg_last, ct.seg_len, m_seg, b_seg)
+
+    def transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, ct, seg, *, scale):
+        return cuda.transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, ct.start, ct.length,
+                                 ct.seg_first, ct.seg_last, ct.seg_len, seg, scale=scale)
+
     return XLA._replace(
         name="cuda",
         gate_cumsum=lambda g, ct: cuda.gate_cumsum(g, ct.start, ct.length),
@@ -127,6 +141,8 @@ def _cuda_primitives() -> Primitives:
         chunk_bwd=chunk_bwd,
         walk_chunk_bwd=walk_chunk_bwd,
         nan_unless=cuda.nan_unless,
+        transfer=transfer,
+        transfer_bwd=transfer_bwd,
     )
 
 

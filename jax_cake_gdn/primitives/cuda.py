@@ -41,6 +41,8 @@ __all__ = [
     "walk_bwd",
     "chunk_bwd",
     "walk_chunk_bwd",
+    "transfer",
+    "transfer_bwd",
     "nan_unless",
     "SUPPORTED_DIMS",
     "supports",
@@ -719,6 +721,51 @@ def walk_chunk_bwd(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rstd_q, rstd_k,
         fn, results, q, k, v, beta, w, G, A, h, v_new, do, dfinal, rq, rk, *tab,
         scale=np.float32(scale))
     return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta, dh0
+
+
+def transfer(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len,
+             m_seg, b_seg):
+    """The units' affine summaries (xla.transfer with the tables as arrays), one state-only walk:
+    B f32[U, HV, K, V], the exit of segment b_seg[u] from h0[b_seg[u]], and M f32[U, HV, K, K],
+    the transfer matrix of segment m_seg[u]; zero where the index is -1 (a CTA with nothing to
+    summarise exits at once). k, v, beta, A, G, h0, rstd_k and the tables as `replay` takes them
+    (no seg_order: the CTAs are (kind, unit, head)); m_seg, b_seg int32[U]. w, u are made on
+    chip from A as prep makes them; the state stays f32."""
+    fn = "transfer"
+    k = _qkv(fn, "k", k)
+    T, H, K = k.shape
+    v, beta, G = _v_beta_g(fn, k, v, beta, G)
+    HV, V = v.shape[1], v.shape[2]
+    cs, cl = _table(fn, chunk_start, chunk_len)
+    A = _bf16(fn, "A", A, (cs.shape[0], HV, _CHUNK, _CHUNK), _A_FROM)
+    sl = _i32(fn, "seg_len", seg_len)
+    S = sl.shape[0]
+    sf, sla = _i32(fn, "seg_first", seg_first, S), _i32(fn, "seg_last", seg_last, S)
+    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
+    b_seg = _i32(fn, "b_seg", b_seg)
+    U = b_seg.shape[0]
+    m_seg = _i32(fn, "m_seg", m_seg, U)
+    r = _rstd(fn, "rstd_k", rstd_k, T, H)
+    B, M = _call(fn, [((U, HV, K, V), jnp.float32), ((U, HV, K, K), jnp.float32)],
+                 k, v, beta, A, G, h0, r, cs, cl, sf, sla, sl, jnp.concatenate([b_seg, m_seg]))
+    return M, B
+
+
+def transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
+                 seg_last, seg_len, unit_seg, *, scale: float):
+    """The backward twin of `transfer` (xla.transfer_bwd with the tables as arrays): per unit u,
+    the gradient of segment unit_seg[u]'s entry state from its exit gradient dfinal[s], f32
+    [U, HV, K, V] (zero where unit_seg[u] = -1): walk_bwd's reverse walk without its tapes.
+    Inputs as `walk_bwd` takes them (Att recomputed); unit_seg int32[U]."""
+    fn = "transfer_bwd"
+    q, k, w, G, do, dfinal, rq, rk, tab = _walk_bwd_inputs(
+        fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
+        seg_len, seg_len)
+    HV, K, V = do.shape[1], q.shape[2], do.shape[2]
+    unit_seg = _i32(fn, "unit_seg", unit_seg)
+    (dh0,) = _call(fn, [((unit_seg.shape[0], HV, K, V), jnp.float32)], q, k, w, G, do, dfinal,
+                   rq, rk, *tab[:5], unit_seg, scale=np.float32(scale))
+    return dh0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -216,6 +216,33 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scal
     return (o, final, w, u, h, v_new) if tapes else (o, final)
 
 
+def transfer(k, v, beta, G, A, h0, rstd_k, ct: ChunkTable, m_seg, b_seg):
+    """The affine summaries of the units that need them (DESIGN section 3): per unit u,
+
+    M [U, HV, K, K]: the transfer matrix of segment m_seg[u] (exit = M S_in + ..., the walk of
+    [K x K] states from the identity with zero values); zero where m_seg[u] < 0;
+    B [U, HV, K, V]: the exit state of segment b_seg[u] from its entry h0[b_seg[u]]; zero where
+    b_seg[u] < 0. Both float32; h0 [S, HV, K, V] as state_walk takes it.
+    """
+    HV, K = A.shape[1], k.shape[2]
+    w, u = wy(k, v, beta, G, A, rstd_k, ct)
+    _, _, exit_b = state_walk(k, w, u, G, h0, rstd_k, ct)
+    S = h0.shape[0]
+    eye = vma.cast(jnp.broadcast_to(jnp.eye(K, dtype=F32), (S, HV, K, K)), vma.of(h0))
+    _, _, exit_m = state_walk(k, w, vma.zeros(u.shape[:2] + (K,), F32, u), G, eye, rstd_k, ct)
+    pick = lambda x, seg: jnp.where((seg >= 0)[:, None, None, None], x[jnp.maximum(seg, 0)], 0.0)
+    return pick(exit_m, m_seg), pick(exit_b, b_seg)
+
+
+def transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, ct: ChunkTable, seg, *, scale: float):
+    """The backward twin of `transfer`: per unit u, the gradient of segment seg[u]'s entry state
+    from the exit gradient dfinal[seg[u]] (walk_bwd's dh0), float32 [U, HV, K, V]; zero where
+    seg[u] < 0. dfinal [S, HV, K, V] holds what is known at each exit (a document's final state
+    gradient; zero where the exit passes a state on, which the transposed merge adds)."""
+    _, dh0, _ = walk_bwd(q, k, w, G, do, dfinal, None, rstd_q, rstd_k, ct, scale=scale)
+    return jnp.where((seg >= 0)[:, None, None, None], dh0[jnp.maximum(seg, 0)], 0.0)
+
+
 # ---------------------------------------------------------------- backward primitives
 
 
