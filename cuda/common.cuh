@@ -35,7 +35,7 @@ inline constexpr int kChunk = 64;
   do {                                                             \
     if (!(cond)) {                                                 \
       return ::xla::ffi::Error::InvalidArgument(                   \
-          std::string(JCG_HANDLER_NAME ": ") + (msg));             \
+          std::string(JCG_HANDLER_NAME) + ": " + (msg));           \
     }                                                              \
   } while (0)
 
@@ -45,7 +45,7 @@ inline constexpr int kChunk = 64;
     cudaError_t jcg_err_ = (expr);                                           \
     if (jcg_err_ != cudaSuccess) {                                           \
       return ::xla::ffi::Error::Internal(                                    \
-          std::string(JCG_HANDLER_NAME ": " #expr " failed: ") +             \
+          std::string(JCG_HANDLER_NAME) + ": " #expr " failed: " +           \
           cudaGetErrorString(jcg_err_));                                     \
     }                                                                        \
   } while (0)

@@ -49,6 +49,9 @@
 // barrier that opens chunk c (off the compute chain), thread 0 the last two after the loop.
 // With zero_dq, zero_dk the producer of a group's first value head (column tile 0) also zeroes
 // the group's rows of each chunk after the barrier that opens it.
+// kTwin (transfer_bwd, the backward twin of the units' summaries): the CTAs are (unit, head,
+// tile) slots, seg_order maps a slot to its segment (-1: none, dh0 zeros), dh0 is per slot, and
+// neither dS_end nor dvn is stored (Dvn stays a slab for the update).
 #pragma once
 
 #include "handoff.cuh"
@@ -156,7 +159,7 @@ __device__ __forceinline__ void walk_bwd_convert(unsigned char* landed, const In
   }
 }
 
-template <typename In, int K, int VT, bool kScores>
+template <typename In, int K, int VT, bool kScores, bool kTwin>
 __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     walk_bwd_wg_kernel(const In* __restrict__ q, const In* __restrict__ k,
                        const bf16* __restrict__ w, const float* __restrict__ G,
@@ -172,7 +175,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        const __grid_constant__ CUtensorMap dS_end_map,
                        bf16* __restrict__ dvn, const __grid_constant__ CUtensorMap dvn_map,
                        float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
-                       float scale, Handoff handoff) {
+                       int num_segs, float scale, Handoff handoff) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(VT == 64 || VT == 128, "one or two warpgroups");
   using Sm = WalkBwdWgSmem<K, VT, kScores>;
@@ -195,7 +198,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
   // (nothing is live across it but the kernel's parameters)
   // (segments in seg_order, longest first; an entry out of range walks nothing: s_ok false)
   struct Cta {
-    int hv, hk, s, v0, c_first, c_last;
+    int hv, hk, slot, s, v0, c_first, c_last;
     bool s_ok, empty;
   };
   auto cta = [&] {
@@ -203,10 +206,11 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     const int ntiles = V / VT;
     const int rest = static_cast<int>(blockIdx.x) / ntiles;
     a.hv = rest % HV;
-    a.s = seg_order[rest / HV];
+    a.slot = rest / HV;
+    a.s = seg_order[a.slot];
     a.v0 = static_cast<int>(blockIdx.x) % ntiles * VT;
     a.hk = a.hv / (HV / H);
-    a.s_ok = a.s >= 0 && a.s < static_cast<int>(gridDim.x) / (ntiles * HV);
+    a.s_ok = a.s >= 0 && a.s < num_segs;
     a.c_first = a.s_ok ? seg_first[a.s] : 0;
     a.c_last = a.s_ok ? seg_last[a.s] : -1;
     a.empty = !a.s_ok || seg_len[a.s] <= 0 || a.c_first < 0 || a.c_last >= NC ||
@@ -318,6 +322,12 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
   const Cta a = cta();
   const bool tid0 = threadIdx.x == 0;
   if (!a.s_ok) {  // a malformed seg_order entry: no segment to read or write
+    if constexpr (kTwin) {  // a slot with nothing to summarise: zeros
+      float Z[K / 64][32] = {};
+      wg_state_rw<K>(Z, dh0 + (static_cast<int64_t>(a.slot) * HV + a.hv) * state_stride + a.v0 +
+                            64 * (threadIdx.x / 128),
+                     V, true, (threadIdx.x >> 5) & 3);
+    }
     if (publish && tid0) handoff_walk_done(handoff);
     return;
   }
@@ -328,6 +338,9 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
   unsigned char* Dvn = smem + Sm::oDvn + wg * Sm::kSlab;
   const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + v0 + 64 * wg;
+  float* const dh0_out =  // kTwin: the slot's row
+      dh0 + (kTwin ? (static_cast<int64_t>(a.slot) * HV + hv) * state_stride + v0 + 64 * wg
+                   : state0);
 
   const int64_t dvn_stride = int64_t{kChunk} * V;  // one (chunk, head)'s dvn rows
   // dS_end and dvn of chunks c0.. (unused ones: no tokens) are zero, this CTA's columns
@@ -345,9 +358,9 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
   float S[K / 64][32];
   wg_state_rw<K>(S, const_cast<float*>(dfinal) + state0, V, false, wq);
   if (empty) {
-    wg_state_rw<K>(S, dh0 + state0, V, true, wq);
+    wg_state_rw<K>(S, dh0_out, V, true, wq);
     // No used chunk at all (no tokens): every dS_end and dvn is zero, written by segment 0.
-    if (s == 0 && NC > 0 && clen[0] <= 0) zero_chunks(0);
+    if (!kTwin && s == 0 && NC > 0 && clen[0] <= 0) zero_chunks(0);
     if (publish && tid0) handoff_walk_done(handoff);
     return;
   }
@@ -370,7 +383,8 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     const float eGC = exp_ftz(GC);
     // dS_end[c] = the carried gradient (bf16): one TMA store of Sb (its read is waited for with
     // dvn's, before the next chunk writes Sb)
-    if ((tid & 127) == 0) tma_store_2d(&dS_end_map, Sb, v0 + 64 * wg, (c * HV + hv) * K);
+    if (!kTwin && (tid & 127) == 0)
+      tma_store_2d(&dS_end_map, Sb, v0 + 64 * wg, (c * HV + hv) * K);
 
     // acc = Ks Sb (and this warpgroup's columns of Att = Qs Ks^T when recomputed)
     float acc[32];
@@ -463,7 +477,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     warpgroup_sync(wg);  // Dvn complete (read by its own warpgroup and its TMA store only)
     // dvn[c] for chunk_bwd: one TMA store of the slab (the thread waits for its read before the
     // next chunk's barrier, after which Dvn is written again)
-    if ((tid & 127) == 0)
+    if (!kTwin && (tid & 127) == 0)
       tma_store_2d(&dvn_map, Dvn, v0 + 64 * wg, (c * HV + hv) * kChunk);
 
     // dS -= Ws^T Dvn (the second half of the state update)
@@ -480,7 +494,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
   }
 
-  wg_state_rw<K>(S, dh0 + state0, V, true, wq);
+  wg_state_rw<K>(S, dh0_out, V, true, wq);
   if ((tid & 127) == 0) tma_store_wait();
   if (publish) {  // the last two chunks, once the producer has published the rest
     if ((tid & 127) == 0) bulk_stores_complete_but<0>();
@@ -493,7 +507,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     }
   }
   // The last used chunk's segment also zeroes the unused chunks' dS_end and dvn.
-  if (c_last + 1 < NC && clen[c_last + 1] <= 0) zero_chunks(c_last + 1);
+  if (!kTwin && c_last + 1 < NC && clen[c_last + 1] <= 0) zero_chunks(c_last + 1);
 }
 
 }  // namespace jax_cake_gdn

@@ -7,7 +7,10 @@
 //   kOut, the light forward's fused walk + output: writes o and the final state (neither h nor
 //     v_new leaves the chip), and reads A instead of w, u (it makes them on chip);
 //   kOutTapes, the full forward: kOut that also stores kReplay's h, v_new and w (bit for bit:
-//     the same values), so the full backward needs no replay.
+//     the same values), so the full backward needs no replay;
+//   kTransfer, the units' affine summaries (transfer.cu): kOut's transposed walk without q and
+//     o, from a CTA's own entry (kind 0, B: h0 and u = A_u v; kind 1, M: the identity and u = 0),
+//     its exit state out, nothing else.
 // Below, "tapes" is kTapes and kReplay where they share their compute path.
 // Per segment and value head, walk the segment's chunks in order:
 //
@@ -87,7 +90,8 @@ namespace jax_cake_gdn {
 // all but kTapes; w, u: kTapes; h, v_new: all but kOut; w_out: kReplay, kOutTapes.
 template <typename In, typename Out>
 struct WalkFwdArgs {
-  // bf16 inputs: the producer's TMA loads (kOut: q, k, v, A; kTapes: k, w, u; kReplay: k, v, A)
+  // bf16 inputs: the producer's TMA loads (kOut: q, k, v, A; kTapes: k, w, u; kReplay,
+  // kTransfer: k, v, A)
   CUtensorMap tm_q, tm_k, tm_v, tm_A, tm_w, tm_u;
   // the compute warps' TMA stores: h (kReplay, kOutTapes: [NC * HV * K rows, V]); w_out
   // (kReplay, kOutTapes), o (bf16 o) and v_new (kOutTapes) as token arrays [T, heads, D], for
@@ -114,9 +118,13 @@ struct WalkFwdArgs {
   bf16* h;
   bf16* v_new;
   bf16* w_out;
-  float* final_state;
+  float* final_state;  // kTransfer: B [U, HV, K, V] (kind 0)
+  float* m_out;        // kTransfer: M [U, HV, K, K] (kind 1)
+  // kTransfer: per kind (B, then M) and unit, the segment to summarise (-1: none, zeros out)
+  const int32_t* transfer_seg;
   int64_t num_tokens;
   int H, HV, NC;
+  int U, S, kind0;  // kTransfer: units, segments, the first kind of this launch
   float scale;
 };
 
@@ -128,6 +136,7 @@ enum class WalkMode {
   kOut,     // q, k, v, beta, A in, w and u made on chip; o and the final state out (the light
             // forward)
   kOutTapes,  // kOut plus kReplay's tapes out: h, v_new, w (the full forward, no second walk)
+  kTransfer,  // k, v, beta, A in; a unit's exit state from its entry (B or M), nothing else
 };
 
 // kOut and kOutTapes share every input and product; kOutTapes also stores the tapes.
@@ -135,16 +144,21 @@ constexpr bool walk_outputs_o(WalkMode m) {
   return m == WalkMode::kOut || m == WalkMode::kOutTapes;
 }
 
+// The modes that carry the state transposed in registers (kOut's walk): w, u^T made by the
+// producer, the per-token factors in its rows.
+constexpr bool walk_transposed(WalkMode m) {
+  return walk_outputs_o(m) || m == WalkMode::kTransfer;
+}
+
 template <WalkMode M, int K, int V>
 struct WalkFwdWgSmem {
   static constexpr bool kOut = walk_outputs_o(M), kFromA = M != WalkMode::kTapes;
-  static constexpr bool kReplay = M == WalkMode::kReplay;
+  static constexpr bool kReplay = M == WalkMode::kReplay, kT = walk_transposed(M);
   static constexpr int kWarpgroups = V / 64;  // compute warpgroups
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  // G, rstd; kOut: scale rstd_q, beta, d, e^G; kReplay: beta
-  static constexpr size_t kRows =
-      (kOut ? 6 : M == WalkMode::kReplay ? 3 : 2) * kChunk * sizeof(float);
+  // G, rstd; kOut, kTransfer: scale rstd_q, beta, d, e^G; kReplay: beta
+  static constexpr size_t kRows = (kT ? 6 : kReplay ? 3 : 2) * kChunk * sizeof(float);
   static constexpr size_t oK = 0;                                        // 2 buffers
   static constexpr size_t oWs = oK + 2 * kTok;                           // 2 buffers
   static constexpr size_t oUs = oWs + 2 * kTok;  // 2 buffers of V / 64 slabs [token][v]
@@ -152,10 +166,11 @@ struct WalkFwdWgSmem {
   // kOutTapes, per warpgroup: h (K x 64, at oSb) and v_new (64 x 64) on their way out
   static constexpr size_t oHt = oSb, oVt = oHt + kWarpgroups * size_t{K} * 128;
   // per warpgroup: Vd (tapes), o on its way to token rows (kOut)
-  static constexpr size_t oVd = M == WalkMode::kOut       ? oSb
+  static constexpr size_t oVd = M == WalkMode::kOut || M == WalkMode::kTransfer ? oSb
                                 : M == WalkMode::kOutTapes ? oVt + kWarpgroups * kSlab
                                                            : oSb + kWarpgroups * size_t{K} * 128;
-  static constexpr size_t oQ = oVd + kWarpgroups * kSlab;                // kOut: 2 buffers
+  static constexpr size_t oQ =
+      oVd + (M == WalkMode::kTransfer ? 0 : kWarpgroups * kSlab);  // kOut: 2 buffers
   static constexpr size_t oAtt = oQ + (kOut ? 2 * kTok : 0);             // kOut: [i][j]
   // the producer's A_u and A_w (kFromA; A lands in A_u; kReplay: A_u 2 buffers, the compute
   // warps make u from it)
@@ -201,7 +216,8 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(V == 64 || V == 128, "V = 64 or 128");
   constexpr bool kOut = walk_outputs_o(M), kReplay = M == WalkMode::kReplay;
-  constexpr bool kOutTapes = M == WalkMode::kOutTapes;
+  constexpr bool kOutTapes = M == WalkMode::kOutTapes, kTransfer = M == WalkMode::kTransfer;
+  constexpr bool kT = walk_transposed(M);
   using Sm = WalkFwdWgSmem<M, K, V>;
   constexpr bool kFromA = Sm::kFromA;  // kOut, kReplay: w, u made from A
   using Regs = WalkFwdWgRegs<M, V>;
@@ -220,14 +236,18 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
 
   const int H = a.H, HV = a.HV, NC = a.NC;
   // segments x heads, the segments in seg_order (longest first); an entry out of range walks
-  // nothing
-  const int hv = blockIdx.x % HV, s = a.seg_order[blockIdx.x / HV];
+  // nothing. kTransfer: (kind, unit) x heads, kind-major, the segment from transfer_seg.
+  const int slot = blockIdx.x / HV;
+  const int unit = kTransfer ? slot % a.U : 0, kind = kTransfer ? a.kind0 + slot / a.U : 0;
+  const int hv = blockIdx.x % HV;
+  const int s = kTransfer ? a.transfer_seg[kind * a.U + unit] : a.seg_order[slot];
+  const bool with_v = !kTransfer || kind == 0;  // M: u = 0, no v
   const int hk = hv / (HV / H);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in it
   const bool producer = threadIdx.x >= kCompute;
   const int64_t state_stride = int64_t{K} * V;
-  const bool s_ok = s >= 0 && s < static_cast<int>(gridDim.x) / HV;
+  const bool s_ok = s >= 0 && s < (kTransfer ? a.S : static_cast<int>(gridDim.x) / HV);
   const int c_first = s_ok ? a.seg_first[s] : 0, c_last = s_ok ? a.seg_last[s] : -1;
   const bool empty = !s_ok || a.seg_len[s] <= 0 || c_first < 0 || c_last >= NC ||
                      c_last < c_first;
@@ -297,8 +317,11 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     [[maybe_unused]] auto chunk_boxes = [&](int c, int t0, int b, auto&& f) {
       if constexpr (kFromA) {
         f(au_slab(b), &a.tm_A, 0, (c * HV + hv) * kChunk, -1);
+        if (with_v) {
 #pragma unroll
-        for (int j = 0; j < V / 64; ++j) f(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0);
+          for (int j = 0; j < V / 64; ++j)
+            f(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0);
+        }
       }
 #pragma unroll
       for (int j = 0; j < K / 64; ++j) {
@@ -313,11 +336,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     };
     // One thread: chunk c's boxes into buffer b, completing on its mbarrier.
     [[maybe_unused]] auto tma_chunk = [&](int c, int t0, int b) {
-      constexpr uint32_t kBytes = (kOut ? Sm::kSlab + 2 * Sm::kTok
-                                        : kReplay ? Sm::kSlab + Sm::kTok : 2 * Sm::kTok) +
-                                  Sm::kWarpgroups * Sm::kSlab;
+      constexpr uint32_t kBase = kOut ? Sm::kSlab + 2 * Sm::kTok
+                                 : kFromA ? Sm::kSlab + Sm::kTok : 2 * Sm::kTok;
       uint64_t* bar = bars + b;
-      mbar_arrive_expect_tx(bar, kBytes);
+      mbar_arrive_expect_tx(bar, kBase + (with_v ? Sm::kWarpgroups * Sm::kSlab : 0));
       chunk_boxes(c, t0, b, [&](unsigned char* dst, const CUtensorMap* m, int x, int y, int z) {
         if (z < 0) {
           tma_load_2d(dst, m, x, y, bar);
@@ -420,7 +442,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     auto copy_chunk = [&](int c, int b, const ChunkSpan cs, const ChunkSpan cs1) {
       float* r = rows(b);
       if constexpr (kFromA) {  // rows; A (into A_u), v (into the u slabs), q (kOut), k; w, u
-        float* rb = r + (kOut ? 3 : 2) * kChunk;  // beta's row
+        float* rb = r + (kT ? 3 : 2) * kChunk;  // beta's row
         if constexpr (kOut) {
           const RowVector vecs[4] = {{r, a.G, HV, hv},
                                      {r + kChunk, a.rstd, H, hk},
@@ -442,7 +464,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           mbar_wait(bars + b, ((c - c_first) >> 1) & 1);  // buffer b's (c - c_first) / 2-th use
           if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
             const int t = threadIdx.x - kCompute;
-            zero_slab_rows<kLoaders>(u_slabs(b), V / 64, cs.len, t);
+            if (with_v) zero_slab_rows<kLoaders>(u_slabs(b), V / 64, cs.len, t);
             if constexpr (kOut) zero_slab_rows<kLoaders>(q_slabs(b), K / 64, cs.len, t);
             zero_slab_rows<kLoaders>(k_slabs(b), K / 64, cs.len, t);
           }
@@ -450,29 +472,32 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           cp_async_tile_at<kChunk, kChunk, kLoaders, kCopyUnroll>(
               slab_at<kChunk>(Au), a.A + static_cast<int64_t>(row_A) * kChunk, kChunk, kChunk);
           cp_async_commit();
-          load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)),
-                                                    a.v + (cs.start * HV + hv) * V,
-                                                    int64_t{HV} * V, max(cs.len, 1),
-                                                    ScaleOne{});
+          if (with_v)
+            load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)),
+                                                      a.v + (cs.start * HV + hv) * V,
+                                                      int64_t{HV} * V, max(cs.len, 1),
+                                                      ScaleOne{});
           if constexpr (kOut) copy_qk(a.q, q_slabs(b), cs.start, cs.len);
           copy_qk(a.k, k_slabs(b), cs.start, cs.len);
           cp_async_wait_all();
         }
         producer_sync();  // rows, A, v, q, k
-        if constexpr (kOut) {
+        if constexpr (kT) {
           if (const int t = threadIdx.x - kCompute; t < kChunk) {  // token t's factors
             const int last = max(cs.len - 1, 0);
             r[4 * kChunk + t] = walk_decay(t, cs.len, r[last], r, a.rstd != nullptr ? r + kChunk
                                                                                     : nullptr);
-            r[5 * kChunk + t] = exp_ftz(r[min(t, last)]);
-            r[2 * kChunk + t] = a.scale * (a.rstd_q != nullptr ? r[2 * kChunk + t] : 1.f);
+            if constexpr (kOut) {
+              r[5 * kChunk + t] = exp_ftz(r[min(t, last)]);
+              r[2 * kChunk + t] = a.scale * (a.rstd_q != nullptr ? r[2 * kChunk + t] : 1.f);
+            }
           }
         }
         scale_a(r, rb, Au);
         fence_proxy_async();
         producer_sync();  // A_u, A_w (and zeroed rows) for the products
-        if constexpr (kOut) {
-          ut_product(Au, u_slabs(b));
+        if constexpr (kT) {
+          if (with_v) ut_product(Au, u_slabs(b));
           wu_product(Aw, k_slabs(b), w_slabs(b), K);
         } else {
           // w = A_w k: prep's product (4 k16 steps from zero), rounded to bf16. The compute
@@ -526,6 +551,74 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     return;  // barrier 0 is not used after the last chunk opens
   }
   if constexpr (Regs::kRealloc) warpgroup_reg_alloc<Regs::kComputeRegs>();
+  if constexpr (kTransfer) {
+    // the unit's B (kind 0) or M (kind 1), this warpgroup's 64 columns
+    float* out = (kind == 0 ? a.final_state : a.m_out) +
+                 (static_cast<int64_t>(unit) * HV + hv) * state_stride + 64 * wg;
+    float ST[K / 2];
+    if (!s_ok) {  // nothing to summarise: zeros
+#pragma unroll
+      for (int i = 0; i < K / 2; ++i) ST[i] = 0.f;
+    } else if (kind == 0) {
+      wg_state_rw_t<K>(ST, const_cast<float*>(a.h0) +
+                               (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg,
+                       V, false, wq);
+    } else {  // the identity: ST[4 j + e] is state[8 j + 2 q + e % 2][64 wg + 16 wq + g + ..]
+#pragma unroll
+      for (int i = 0; i < K / 2; ++i) {
+        const int j = i / 4, e = i % 4;
+        ST[i] = 8 * j + 2 * q + (e & 1) == 64 * wg + 16 * wq + g + 8 * (e >> 1) ? 1.f : 0.f;
+      }
+    }
+    if (!empty) {
+      ChunkSpan next = span(c_first);
+      for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
+        const ChunkSpan cs = next;
+        next = span(c + 1);
+        __syncthreads();  // chunk c's inputs have landed; chunk c - 1 is done
+        const float* rG = rows(b);
+        const float eC = exp_ftz(rG[max(cs.len - 1, 0)]);
+        uint32_t sa[K / 16][4];  // bf16(S^T), every k16 step
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks) wg_acc_to_a<K>(ST, ks, sa[ks]);
+        float acc[32];
+        if (with_v) {
+          wg_load_slab64(acc, u_slabs(b) + wg * Sm::kSlab, wq);  // u^T (the producer's layout)
+        } else {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+        }
+        wgmma_fence_operand(acc);
+        wgmma_fence();
+        // v_new^T = u^T - S^T W^T (B = w [token][K], K-major)
+#pragma unroll
+        for (int ks = 0; ks < K / 16; ++ks)
+          wgmma_m64k16_rs<64, false, -1>(
+              acc, sa[ks], sw128_desc(w_slabs(b) + (ks / 4) * Sm::kSlab + 32 * (ks % 4)), true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(acc);
+        wg_scale_cols<64>(acc, rG + 4 * kChunk);  // d (the producer's)
+        uint32_t vd[kChunk / 16][4];               // bf16(v_new^T diag(d))
+#pragma unroll
+        for (int ts = 0; ts < kChunk / 16; ++ts) wg_acc_to_a<64>(acc, ts, vd[ts]);
+#pragma unroll
+        for (int i = 0; i < K / 2; ++i) ST[i] *= eC;
+        wgmma_fence_operand(ST);
+        wgmma_fence();
+        // S^T = e^{G_C} S^T + Vd^T K (B = k [token][K], MN-major)
+#pragma unroll
+        for (int ts = 0; ts < kChunk / 16; ++ts)
+          wgmma_m64k16_rs<K, true, 1>(ST, vd[ts], sw128_desc(k_slabs(b) + 2048 * ts, Sm::kSlab),
+                                      true);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_operand(ST);
+      }
+    }
+    wg_state_rw_t<K>(ST, out, V, true, wq);
+    return;
+  }
   if (!s_ok) return;  // a malformed seg_order entry: no segment to read or write
 
   const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg;
