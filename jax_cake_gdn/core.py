@@ -68,6 +68,12 @@ def _resets(tabs: SegTable, m_seg):
     return ~tabs.unit_empty & (m_seg < 0)
 
 
+def _per_doc(merge, h0, tabs: SegTable) -> bool:
+    """True when the segments are the documents themselves (gdn at P = 1): then entry states,
+    exit states and their gradients need no gather."""
+    return merge is None and h0.shape[0] == tabs.ct.num_segments
+
+
 def forward(cfg: Config, merge: Optional[Callable], q, k, v, g, beta, h0, tabs: SegTable):
     """(o, final), (residuals, tabs): the custom_vjp forward (also saved_layout's)."""
     P, ct = cfg.prims, tabs.ct
@@ -75,7 +81,11 @@ def forward(cfg: Config, merge: Optional[Callable], q, k, v, g, beta, h0, tabs: 
     rk = P.l2norm_rstd(k) if cfg.qk_l2norm else None
     G = P.gate_cumsum(g, ct)
     A = P.solve_a(k, beta, G, rk, ct)
-    entry = vma.cast(jnp.where(_bc(tabs.starts_doc, h0[:1]), h0[tabs.seg_doc], 0.0), vma.of(v))
+    if _per_doc(merge, h0, tabs):
+        entry = h0
+    else:
+        entry = jnp.where(_bc(tabs.starts_doc, h0[:1]), h0[tabs.seg_doc], 0.0)
+    entry = vma.cast(entry, vma.of(v))
     M_u = None
     if merge is not None:
         m_seg, b_seg, _ = tabs.unit_needs()
@@ -89,7 +99,7 @@ def forward(cfg: Config, merge: Optional[Callable], q, k, v, g, beta, h0, tabs: 
     out = P.walk_output(q, k, v, beta, A, G, entry, rq, rk, ct, scale=cfg.scale,
                         out_dtype=v.dtype, tapes=full)
     o, exits = out[:2]
-    final = exits[tabs.doc_last_seg]
+    final = exits if _per_doc(merge, h0, tabs) else exits[tabs.doc_last_seg]
     res = dict(q=q, k=k, v=v, beta=beta, h0=entry, G=G, A=A, rstd_q=rq, rstd_k=rk, M=M_u)
     if full:
         res.update(zip(("w", "u", "h", "v_new"), out[2:]))
@@ -106,7 +116,11 @@ def _backward(cfg: Config, merge, residuals, cts):
         w, u, h, v_new = res["w"], res["u"], res["h"], res["v_new"]
     else:  # light: replay w, u (bitwise as prep made them) and the state walk
         w, u, h, v_new = P.replay(k, v, beta, G, A, res["h0"], rk, ct)
-    dexit = jnp.where(_bc(tabs.ends_doc, dfinal[:1]), dfinal[tabs.seg_doc], 0.0)
+    per_doc = _per_doc(merge, dfinal, tabs)
+    if per_doc:
+        dexit = dfinal
+    else:
+        dexit = jnp.where(_bc(tabs.ends_doc, dfinal[:1]), dfinal[tabs.seg_doc], 0.0)
     if merge is not None:
         m_seg, _, g_seg = tabs.unit_needs()
         g_carry = P.transfer_bwd(q, k, w, G, do, dexit, rq, rk, ct, g_seg, scale=cfg.scale)
@@ -119,13 +133,15 @@ def _backward(cfg: Config, merge, residuals, cts):
     dq, dk, dv, dg, dbeta, dentry = P.walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do,
                                                      dexit, rq, rk, ct, scale=cfg.scale,
                                                      deterministic=cfg.deterministic)
-    return dq, dk, dv, dg, dbeta, dentry[tabs.doc_first_seg], None
+    return dq, dk, dv, dg, dbeta, dentry if per_doc else dentry[tabs.doc_first_seg], None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def gdn_op(cfg: Config, merge, q, k, v, g, beta, h0, tabs: SegTable):
-    """(o [T, HV, V], final [N, HV, K, V]) of the packed op (module docstring)."""
-    return forward(cfg, merge, q, k, v, g, beta, h0, tabs)[0]
+    """(o [T, HV, V], final [N, HV, K, V]) of the packed op (module docstring). Called without
+    differentiation it runs light's forward in either save mode: full's tapes would be written
+    for nothing (o and the exit states are bit for bit the same)."""
+    return forward(cfg._replace(save_mode="light"), merge, q, k, v, g, beta, h0, tabs)[0]
 
 
 gdn_op.defvjp(forward, _backward)

@@ -191,6 +191,22 @@ def test_lowered_segments_add_only_the_transfer_kernels():
         assert sorted(seg) == sorted(plain + ["transfer", "transfer_bwd"]), (plain, seg)
 
 
+def test_lowered_full_forward_without_grad_writes_no_tapes():
+    """Called without differentiation, save_mode="full" runs light's forward (no tapes)."""
+    from conftest import need_ext
+
+    need_ext()
+    T = 1024
+    sds = ([jax.ShapeDtypeStruct((1, T, 2, 64), jnp.bfloat16)] * 2
+           + [jax.ShapeDtypeStruct((1, T, 4, 64), jnp.bfloat16)]
+           + [jax.ShapeDtypeStruct((1, T, 4), jnp.float32)] * 2)
+    for segments in (1, 4):
+        f = lambda *a: J.gdn(*a, backend="cuda", save_mode="full", segments=segments)
+        hlo = jax.jit(f).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+        calls = re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo)
+        assert "walk_output" in calls and "walk_output_tapes" not in calls, calls
+
+
 # ---------------------------------------------------------------------------------- GPU
 
 
