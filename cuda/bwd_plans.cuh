@@ -25,9 +25,7 @@ struct KernelPlan {
 // Argument checks of jax_cake_gdn_walk_bwd (walk_bwd.cu); the plan launches the reverse walk.
 ffi::Error plan_walk_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Buffer<ffi::BF16> w,
                          ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
-                         ffi::Buffer<ffi::F32> dfinal,
-                         const ffi::Buffer<ffi::BF16>* scores,  // null: recompute Att
-                         ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                          ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,

@@ -1,4 +1,4 @@
-// Host-side argument checks shared by the forward handlers (prep.cu, state_walk.cu, output.cu).
+// Host-side argument checks shared by the handlers (prep.cu, state_walk.cu, walk_bwd.cu, ...).
 // Each returns an empty string when the argument is fine, else the message for JCG_CHECK_ARG.
 #pragma once
 
@@ -37,7 +37,7 @@ inline std::string check_th(const char* name, ffi::Span<const int64_t> d, int64_
   return {};
 }
 
-// An absent optional buffer (no L2 norm, no saved scores) is passed as f32[1]. Not f32[0]: a
+// An absent optional buffer (no L2 norm) is passed as f32[1]. Not f32[0]: a
 // zero-size operand crashes XLA's SPMD partitioner (shardy) in jax 0.11.2 under shard_map.
 inline bool is_absent(ffi::Span<const int64_t> d) { return d.size() == 1 && d[0] == 1; }
 

@@ -1,15 +1,14 @@
 // FFI handlers of the backward state walk and of its state-only twin (kernel in walk_bwd_wg.cuh,
 // on wgmma):
 //
-//   jax_cake_gdn_walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len,
+//   jax_cake_gdn_walk_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len,
 //                         seg_first, seg_last, seg_len, seg_order; scale)
 //       -> dS_end bf16[NC, HV, K, V] (rounded to nearest from the f32 carried gradient: chunk_bwd
 //          uses it only as a bf16 operand), dh0 f32[S, HV, K, V], dvn bf16[NC, HV, 64, V] (the
 //          gradient of each chunk's v_new, rows its tokens, padding rows 0: chunk_bwd's operand)
 //
 // q, k: bf16 or f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] in q's dtype;
-// dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64] (the saved Att) or bf16[1] (recompute);
-// rstd_q, rstd_k f32[T, H] or f32[1]; chunk and segment tables int32 (chunks.py). K in
+// dfinal f32[S, HV, K, V]; rstd_q, rstd_k f32[T, H] or f32[1]; chunk and segment tables int32 (chunks.py). K in
 // {64, 128}, V in {64, 128}.
 //
 //   jax_cake_gdn_transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len,
@@ -42,8 +41,7 @@ namespace {
 template <bool kTwin>
 ffi::Error plan_walk_bwd_wg(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Buffer<ffi::BF16> w,
                             ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
-                            ffi::Buffer<ffi::F32> dfinal, const ffi::Buffer<ffi::BF16>* scores,
-                            ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                            ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                             ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                             ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                             ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
@@ -79,12 +77,6 @@ ffi::Error plan_walk_bwd_wg(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Buffer<ffi:
   JCG_CHECK_ARG(S * HV * (V / 64) < (int64_t{1} << 31), "S * HV too large");
   JCG_CHECK_ARG(dims_are(dfinal.dimensions(), {S, HV, K, V}),
                 "dfinal must be f32[S, HV, K, V], got shape " + dims_str(dfinal.dimensions()));
-  const bool has_scores = scores != nullptr;
-  JCG_CHECK_ARG(!has_scores || dims_are(scores->dimensions(), {NC, HV, kChunk, kChunk}),
-                "scores must be bf16[NC, HV, 64, 64] or bf16[1] (recompute), got shape " +
-                    dims_str(scores->dimensions()));
-  const bf16* scores_data =
-      has_scores ? static_cast<const bf16*>(scores->untyped_data()) : nullptr;
   JCG_CHECK_ARG(dims_are(dh0.dimensions(), {slots, HV, K, V}),
                 std::string("dh0 must be f32[") + (kTwin ? "U" : "S") +
                     ", HV, K, V], got shape " + dims_str(dh0.dimensions()));
@@ -146,7 +138,6 @@ ffi::Error plan_walk_bwd_wg(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Buffer<ffi:
                          static_cast<const In*>(k.untyped_data()),
                          static_cast<const bf16*>(w.untyped_data()), G.typed_data(),
                          static_cast<const In*>(dout.untyped_data()), dfinal.typed_data(),
-                         scores_data,
                          has_rq ? rstd_q.typed_data() : static_cast<const float*>(nullptr),
                          has_rk ? rstd_k.typed_data() : static_cast<const float*>(nullptr),
                          chunk_start.typed_data(), chunk_len.typed_data(),
@@ -156,16 +147,7 @@ ffi::Error plan_walk_bwd_wg(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Buffer<ffi:
                          static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V),
                          static_cast<int>(NC), static_cast<int>(S), scale, handoff);
           };
-          if constexpr (kTwin) {
-            run(walk_bwd_wg_kernel<In, KD, VT, false, true>,
-                WalkBwdWgSmem<KD, VT, false>::bytes);
-          } else if (has_scores) {
-            run(walk_bwd_wg_kernel<In, KD, VT, true, false>,
-                WalkBwdWgSmem<KD, VT, true>::bytes);
-          } else {
-            run(walk_bwd_wg_kernel<In, KD, VT, false, false>,
-                WalkBwdWgSmem<KD, VT, false>::bytes);
-          }
+          run(walk_bwd_wg_kernel<In, KD, VT, kTwin>, WalkBwdWgSmem<KD, VT>::bytes);
         });
       });
     });
@@ -180,14 +162,14 @@ ffi::Error plan_walk_bwd_wg(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Buffer<ffi:
 
 ffi::Error plan_walk_bwd(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::Buffer<ffi::BF16> w,
                          ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
-                         ffi::Buffer<ffi::F32> dfinal, const ffi::Buffer<ffi::BF16>* scores,
-                         ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::F32> rstd_q,
+                         ffi::Buffer<ffi::F32> rstd_k,
                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                          ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
                          float scale, ffi::Buffer<ffi::BF16> dS_end, ffi::Buffer<ffi::F32> dh0,
                          ffi::Buffer<ffi::BF16> dvn, KernelPlan& plan) {
-  return plan_walk_bwd_wg<false>(q, k, w, G, dout, dfinal, scores, rstd_q, rstd_k, chunk_start,
+  return plan_walk_bwd_wg<false>(q, k, w, G, dout, dfinal, rstd_q, rstd_k, chunk_start,
                                  chunk_len, seg_first, seg_last, seg_len, seg_order, scale,
                                  &dS_end, dh0, &dvn, plan);
 }
@@ -196,8 +178,7 @@ namespace {
 
 ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                          ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> G, ffi::AnyBuffer dout,
-                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::BF16> scores,
-                         ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
+                         ffi::Buffer<ffi::F32> dfinal, ffi::Buffer<ffi::F32> rstd_q, ffi::Buffer<ffi::F32> rstd_k,
                          ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
                          ffi::Buffer<ffi::S32> seg_first, ffi::Buffer<ffi::S32> seg_last,
                          ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> seg_order,
@@ -205,8 +186,7 @@ ffi::Error walk_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k
                          ffi::ResultBuffer<ffi::BF16> dS_end, ffi::ResultBuffer<ffi::F32> dh0,
                          ffi::ResultBuffer<ffi::BF16> dvn) {
   KernelPlan plan;
-  const ffi::Buffer<ffi::BF16>* saved = is_absent(scores.dimensions()) ? nullptr : &scores;
-  ffi::Error e = plan_walk_bwd(q, k, w, G, dout, dfinal, saved, rstd_q, rstd_k, chunk_start,
+  ffi::Error e = plan_walk_bwd(q, k, w, G, dout, dfinal, rstd_q, rstd_k, chunk_start,
                                chunk_len, seg_first, seg_last, seg_len, seg_order, scale,
                                *dS_end, *dh0, *dvn, plan);
   if (e.failure()) return e;
@@ -227,7 +207,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_walk_bwd, jax_cake_gdn::walk_bwd_impl
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // G
                                   .Arg<xla::ffi::AnyBuffer>()              // do
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dfinal
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // scores
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_q
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd_k
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
@@ -257,7 +236,7 @@ ffi::Error transfer_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
                              ffi::Buffer<ffi::S32> seg_len, ffi::Buffer<ffi::S32> unit_seg,
                              float scale, ffi::ResultBuffer<ffi::F32> dh0) {
   KernelPlan plan;
-  ffi::Error e = plan_walk_bwd_wg<true>(q, k, w, G, dout, dfinal, nullptr, rstd_q, rstd_k,
+  ffi::Error e = plan_walk_bwd_wg<true>(q, k, w, G, dout, dfinal, rstd_q, rstd_k,
                                         chunk_start, chunk_len, seg_first, seg_last, seg_len,
                                         unit_seg, scale, nullptr, *dh0, nullptr, plan);
   if (e.failure()) return e;

@@ -11,31 +11,27 @@
 // tile (its dS in K / 64 wgmma accumulators, its slabs Sb = bf16(dS), dOs, dOg, Dvn); Q, K, w
 // and Att slabs are shared.
 // The producer fills chunk c - 1's inputs into the other of two buffers while the compute warps
-// work on chunk c: w (and the saved scores) by cp.async straight into their slabs; G, rstd_q,
+// work on chunk c: w by cp.async straight into its slabs; G, rstd_q,
 // rstd_k by cp.async into its own rows; bf16 q, k, dO by cp.async as they are into their slabs
 // (f32: plain loads, 8 in flight a thread, rounded to bf16 on the way); then dOg = scale e^G rq
 // dO (each thread from the dO pieces it copied) and the compute warps' rows of the buffer (G,
 // padding rows G_C; rk; rq). q, k and dO enter the other products as they are and their
-// per-token factors go on accumulators (the output kernel's and walk_output's way), so the
+// per-token factors go on accumulators (walk_output's way), so the
 // producer converts one 64 x VT tile a chunk. It waits for its copies, fences them
 // (fence.proxy.async) and arrives at the barrier that opens the chunk; the compute warps issue
 // no copies. Per chunk, the compute warps:
 //   top: Sb = bf16(dS) (and dS_end[c] from it, a TMA store)
-//   Att (kScores = false): Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT =
-//        128), gated with rk (wg_gate_scores' operations, wg_acc.cuh: the factors made before
-//        the product's wait, wg_gate_factors, applied after it, wg_gate_apply) into the Att
-//        slab times rq: the output kernel's saved scores bit for bit; with saved scores the
-//        producer's copy of them
+//   Att: Qs Ks^T, warpgroup wg its 64 / (VT / 64) columns (m64n32 at VT = 128), gated with rk
+//        (wg_gate_scores' operations, wg_acc.cuh: the factors made before the product's wait,
+//        wg_gate_factors, applied after it, wg_gate_apply) into the Att slab times rq
 //   acc = Ks Sb;  dvl = Att^T dOs (A MN-major);
 //   dvn = e^{G_C - G} rk acc + scale dvl -> Dvn slab -> dvn[c] (a TMA store)
 //   dS = e^{G_C} dS + Qs^T dOg - Ws^T Dvn     (A MN-major from the [token][key] slabs; the
-//        Qs^T dOg half is issued with acc and runs while acc, Att, dvl and Dvn are made; with
-//        saved scores dvl is issued in that batch too)
+//        Qs^T dOg half is issued with acc and runs while acc, Att, dvl and Dvn are made)
 // Barriers: 0 opens a chunk (all threads); 3 (compute warps) completes Att; 1 + wg (one
 // warpgroup) completes its Sb and Dvn; 4 (producer) its rows.
-// Shared memory (K = V = 128): per buffer Ws, Qs, Ks 16 KB each, dOs and dOg 2 x 8 KB each (+ the
-// saved Att 8 KB); Att 8 KB (recomputed), Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB (1.75 KB
-// with saved scores); + 1 KB alignment: 219.25 KB (226.75 KB with saved scores), 1 CTA per SM.
+// Shared memory (K = V = 128): per buffer Ws, Qs, Ks 16 KB each, dOs and dOg 2 x 8 KB each;
+// Att 8 KB, Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB; + 1 KB alignment: 219.25 KB, 1 CTA per SM.
 // No staging: the size no longer depends on In.
 // Registers at VT = 128: the CTA (384 threads) launches at 168 a thread; the producer drops to
 // 56, the compute warpgroups rise to 224 (setmaxnreg; 2 x 224 + 56 = 504). VT = 64: 256 threads,
@@ -77,26 +73,23 @@ __device__ __noinline__ void walk_bwd_zero_rows(float* dq, float* dk, int64_t ba
   }
 }
 
-template <int K, int VT, bool kScores>
+template <int K, int VT>
 struct WalkBwdWgSmem {
   static constexpr int kWarpgroups = VT / 64;
   static constexpr size_t kSlab = size_t{kChunk} * 128;  // 64 rows x 64 bf16
   static constexpr size_t kTok = K / 64 * kSlab;           // [64 tokens][K] as slabs
-  // One chunk's inputs (two buffers): Ws, Qs, Ks, then per warpgroup dOs and dOg, then the saved
-  // scores' Att (kScores)
+  // One chunk's inputs (two buffers): Ws, Qs, Ks, then per warpgroup dOs and dOg
   static constexpr size_t bWs = 0;
   static constexpr size_t bQs = bWs + kTok;
   static constexpr size_t bKs = bQs + kTok;
   static constexpr size_t bDOs = bKs + kTok;
   static constexpr size_t bDOg = bDOs + kWarpgroups * kSlab;
-  static constexpr size_t bAtt = bDOg + kWarpgroups * kSlab;
-  static constexpr size_t kBuf = bAtt + (kScores ? kSlab : 0);
-  static constexpr size_t oAtt = 2 * kBuf;  // [i][j], recomputed (!kScores)
-  static constexpr size_t oSb = oAtt + (kScores ? 0 : kSlab);           // per warpgroup, K rows
+  static constexpr size_t kBuf = bDOg + kWarpgroups * kSlab;
+  static constexpr size_t oAtt = 2 * kBuf;                              // [i][j]
+  static constexpr size_t oSb = oAtt + kSlab;                           // per warpgroup, K rows
   static constexpr size_t oDvn = oSb + kWarpgroups * size_t{K} * 128;   // per warpgroup
-  // the compute warps' rows, 2 buffers: G of the chunk (padded G_C), rstd_k and (recomputed Att)
-  // rstd_q
-  static constexpr int kRows = kScores ? 2 : 3;
+  // the compute warps' rows, 2 buffers: G of the chunk (padded G_C), rstd_k and rstd_q
+  static constexpr int kRows = 3;
   static constexpr size_t oSG = oDvn + kWarpgroups * kSlab;
   static constexpr size_t oStG = oSG + 2 * kRows * kChunk * sizeof(float);  // producer: G, rq, rk
   static constexpr size_t bytes = oStG + 3 * kChunk * sizeof(float) + 1024;  // + alignment
@@ -159,12 +152,11 @@ __device__ __forceinline__ void walk_bwd_convert(unsigned char* landed, const In
   }
 }
 
-template <typename In, int K, int VT, bool kScores, bool kTwin>
+template <typename In, int K, int VT, bool kTwin>
 __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     walk_bwd_wg_kernel(const In* __restrict__ q, const In* __restrict__ k,
                        const bf16* __restrict__ w, const float* __restrict__ G,
                        const In* __restrict__ dout, const float* __restrict__ dfinal,
-                       const bf16* __restrict__ scores,   // kScores only
                        const float* __restrict__ rstd_q,  // nullable
                        const float* __restrict__ rstd_k,  // nullable
                        const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
@@ -178,7 +170,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        int num_segs, float scale, Handoff handoff) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(VT == 64 || VT == 128, "one or two warpgroups");
-  using Sm = WalkBwdWgSmem<K, VT, kScores>;
+  using Sm = WalkBwdWgSmem<K, VT>;
   constexpr int kCompute = 2 * VT;  // compute threads; the producer warpgroup follows them
   constexpr int kLoaders = 128;
   static_assert(walk_bwd_wg_threads<VT>() == kCompute + kLoaders, "one producer warpgroup");
@@ -256,14 +248,10 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                                                       int64_t{HV} * V, len);
       }
       cp_async_commit();
-      // w (and the saved scores) straight into their slabs
+      // w straight into its slabs
       cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(buf(b) + Sm::bWs),
                                                    w + (cs.start * HV + hv) * K,
                                                    int64_t{HV} * K, len);
-      if constexpr (kScores)
-        cp_async_tile_at<kChunk, kChunk, kLoaders, 1>(
-            slab_at<kChunk>(buf(b) + Sm::bAtt),
-            scores + (static_cast<int64_t>(c) * HV + hv) * (kChunk * kChunk), kChunk, kChunk);
       cp_async_commit();
       cp_async_wait<1>();  // the rows (and raw q, k, dO)
       producer_sync();     // every thread's rows
@@ -273,7 +261,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
         const float GC = len > 0 ? stG[len - 1] : 0.f;
         sG(b)[pt] = pt < len ? stG[pt] : GC;
         sG(b)[kChunk + pt] = rk(pt);
-        if constexpr (!kScores) sG(b)[2 * kChunk + pt] = rq(pt);
+        sG(b)[2 * kChunk + pt] = rq(pt);
       }
       // q, k, dO stay as they are (f32: rounded to bf16 here); the per-token factors go on
       // accumulators, except on the state update's reduction over tokens: dOg = dO scale e^G
@@ -372,7 +360,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     const unsigned char* Ks = buf(b) + Sm::bKs;
     const unsigned char* DOs = buf(b) + Sm::bDOs + wg * Sm::kSlab;
     const unsigned char* DOg = buf(b) + Sm::bDOg + wg * Sm::kSlab;
-    unsigned char* AttS = kScores ? buf(b) + Sm::bAtt : smem + Sm::oAtt;
+    unsigned char* AttS = smem + Sm::oAtt;
     const float* sg = sG(b);
 
     // G_C: the producer pads rows len.. with G_C (0 when len = 0), so row kChunk - 1 holds it
@@ -386,18 +374,16 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     if (!kTwin && (tid & 127) == 0)
       tma_store_2d(&dS_end_map, Sb, v0 + 64 * wg, (c * HV + hv) * K);
 
-    // acc = Ks Sb (and this warpgroup's columns of Att = Qs Ks^T when recomputed)
+    // acc = Ks Sb and this warpgroup's columns of Att = Qs Ks^T
     float acc[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) acc[i] = 0.f;
     wgmma_fence_operand(acc);
     constexpr int kAttCols = 64 / Sm::kWarpgroups;  // Att columns per warpgroup
-    [[maybe_unused]] float att[kAttCols / 2];
-    if constexpr (!kScores) {
+    float att[kAttCols / 2];
 #pragma unroll
-      for (int i = 0; i < kAttCols / 2; ++i) att[i] = 0.f;
-      wgmma_fence_operand(att);
-    }
+    for (int i = 0; i < kAttCols / 2; ++i) att[i] = 0.f;
+    wgmma_fence_operand(att);
     float dvl[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) dvl[i] = 0.f;
@@ -407,9 +393,9 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
 #pragma unroll
     for (int ks = 0; ks < K / 16; ++ks) {
       const uint32_t kk = (ks / 4) * Sm::kSlab + 32 * (ks % 4);
-      if constexpr (!kScores)  // B: k rows kAttCols wg.. (K-major, 128 B a row)
-        wgmma_m64k16_ss<kAttCols, false, false, 1>(
-            att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
+      // B: k rows kAttCols wg.. (K-major, 128 B a row)
+      wgmma_m64k16_ss<kAttCols, false, false, 1>(
+          att, sw128_desc(Qs + kk), sw128_desc(Ks + kk + 128 * kAttCols * wg), true);
       wgmma_m64k16_ss<64, false, true, 1>(acc, sw128_desc(Ks + kk),
                                           sw128_desc(Sb + 2048 * ks, K * 128), true);
     }
@@ -426,14 +412,12 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       const int t = 16 * wq + g + 8 * half;
       dec[half] = exp_ftz(GC - sg[t]) * sg[kChunk + t];
     }
-    [[maybe_unused]] float gx[kAttCols / 2], grs[kAttCols / 4], rq0 = 1.f, rq1 = 1.f;
-    if constexpr (!kScores) {  // the gate's exponentials and factors, before the waits
-      wg_gate_factors<kAttCols>(gx, grs, sg, wq, kAttCols * wg,
-                                rstd_k != nullptr ? sg + kChunk : nullptr);
-      rq0 = sg[2 * kChunk + 16 * wq + g];
-      rq1 = sg[2 * kChunk + 16 * wq + g + 8];
-    }
-    // dvl = Att^T dOs (A: Att stored [i][j], MN-major); with saved scores Att is already here
+    float gx[kAttCols / 2], grs[kAttCols / 4];  // the gate's factors, before the waits
+    wg_gate_factors<kAttCols>(gx, grs, sg, wq, kAttCols * wg,
+                              rstd_k != nullptr ? sg + kChunk : nullptr);
+    const float rq0 = sg[2 * kChunk + 16 * wq + g];
+    const float rq1 = sg[2 * kChunk + 16 * wq + g + 8];
+    // dvl = Att^T dOs (A: Att stored [i][j], MN-major)
     auto issue_dvl = [&] {
       wgmma_fence();
 #pragma unroll
@@ -442,23 +426,16 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                                            sw128_desc(DOs + 2048 * ks, Sm::kSlab), true);
       wgmma_commit();
     };
-    if constexpr (kScores) {
-      issue_dvl();
-      wgmma_wait<2>();  // acc done; dS's first half and dvl may still run
-    } else {
-      wgmma_wait<1>();
-    }
+    wgmma_wait<1>();
     wgmma_fence_operand(acc);
-    if constexpr (!kScores) {
-      wgmma_fence_operand(att);
-      // the mask, Gam and rstd_k (columns), this warpgroup's columns, into the Att slab times
-      // rstd_q (rows): the output kernel's saved scores, bit for bit
-      wg_gate_apply<kAttCols>(att, gx, grs, wq, kAttCols * wg, rstd_k != nullptr);
-      wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg, rq0, rq1);
-      fence_proxy_async();
-      compute_sync<kCompute>();  // Att complete
-      issue_dvl();
-    }
+    wgmma_fence_operand(att);
+    // the mask, Gam and rstd_k (columns), this warpgroup's columns, into the Att slab times
+    // rstd_q (rows)
+    wg_gate_apply<kAttCols>(att, gx, grs, wq, kAttCols * wg, rstd_k != nullptr);
+    wg_store_slab<kAttCols>(att, AttS, wq, kAttCols * wg, rq0, rq1);
+    fence_proxy_async();
+    compute_sync<kCompute>();  // Att complete
+    issue_dvl();
     wgmma_wait<0>();
     wgmma_fence_operand(dvl);
     // dvn = e^{G_C - G} rstd_k acc + scale dvl as bf16 into Dvn (rows: tokens)

@@ -11,7 +11,7 @@
 // the SMs the walk's longest-first schedule leaves idle, last chunk first, each waiting for its
 // item's dS_end and dvn (handoff.cuh). Each item is computed as chunk_bwd computes it alone, so
 // every result is bit for bit the two calls' (dQ, dK with sum_groups: up to the order of the
-// atomic adds, as there). The scores are recomputed (no saved Att).
+// atomic adds, as there).
 #include "bwd_plans.cuh"
 #include "handoff.cuh"
 
@@ -33,8 +33,8 @@ ffi::Error walk_chunk_bwd_impl(
     ffi::ResultBuffer<ffi::F32> dQ, ffi::ResultBuffer<ffi::F32> dK,
     ffi::Result<ffi::AnyBuffer> dV, ffi::ResultBuffer<ffi::F32> dg,
     ffi::ResultBuffer<ffi::F32> dbeta, ffi::ResultBuffer<ffi::S32> handoff) {
-  KernelPlan walk, chunks;  // no saved scores: the walk recomputes Att, as chunk_bwd does
-  ffi::Error e = plan_walk_bwd(q, k, w, G, dout, dfinal, nullptr, rstd_q, rstd_k, chunk_start,
+  KernelPlan walk, chunks;
+  ffi::Error e = plan_walk_bwd(q, k, w, G, dout, dfinal, rstd_q, rstd_k, chunk_start,
                                chunk_len, seg_first, seg_last, seg_len, seg_order, scale,
                                *dS_end, *dh0, *dvn, walk);
   if (e.failure()) return e;

@@ -38,7 +38,7 @@
 //   top: sa = bf16(S^T) fragments; the product-1 accumulator = u^T (the producer's layout)
 //   product 1: v_new^T = u^T - S^T W^T  (A = sa, B = w [token][K] K-major); then
 //     o^T = S^T Q^T (A = sa, B = q K-major) and att = Q K^T, the columns kAttCols wg.. of Att
-//     (kAttCols = 64 / (V / 64); SS, as the output kernel)
+//     (kAttCols = 64 / (V / 64); SS)
 //   vn = bf16(v_new^T), vd = bf16(v_new^T diag(d)); Att gated into its slab; CTA compute barrier
 //   product 2: o^T = diag-cols(e^G) o^T + vn Att^T (B = Att [i][j] K-major);
 //     S^T = e^{G_C} S^T + vd K (m64nK, B = k [token][K] MN-major)

@@ -2,7 +2,7 @@
 // holds rows 16 wq + g + 8 (e / 2) and columns 8 j + 2 q + e % 2 in element 4 j + e (wq: the warp
 // in its warpgroup, g = lane / 4, q = lane % 4); a K x 64 state is K / 64 such accumulators
 // (rows 64 b..). Loading them, storing them as swizzled slabs or to global memory, the Att gate
-// and the state update, shared by the walks and the output kernel.
+// and the state update, shared by the walks.
 //
 // Slab transfers move 8x8 matrices with ldmatrix / stmatrix, four a warp instruction: for the
 // column pieces j, j + 1 of a warp's 16 rows, matrix m = 0..3 is (rows 8 (m % 2).., piece
@@ -217,17 +217,6 @@ __device__ __forceinline__ void wg_issue_product1(float (&acc)[32], const unsign
   wg_issue_mm64<K, -1>(acc, Ws, Sb, K * 128);
 }
 
-// Rows 16 wq + g (times s0) and 16 wq + g + 8 (times s1) of a 64 x 64 accumulator.
-__device__ __forceinline__ void wg_scale_rows(float (&acc)[32], float s0, float s1) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    acc[4 * j] *= s0;
-    acc[4 * j + 1] *= s0;
-    acc[4 * j + 2] *= s1;
-    acc[4 * j + 3] *= s1;
-  }
-}
-
 // Issues S[b] += kSign A_b^T B for the 64-key blocks b of a K x 64 state (4 k-steps over the
 // chunk's tokens): A = a [64 tokens][K keys] tile as K / 64 slabs, each an MN-major A; B = a
 // [64 tokens][64] slab, MN-major. The caller fences before and commits / waits after.
@@ -265,7 +254,7 @@ __device__ __forceinline__ float gate_factor(int i, int j, float gi, const float
 // (warp wq of its warpgroup: rows 16 wq + g + 8 (e / 2), columns col0 + 8 j + 2 q + e % 2 of
 // att[4 j + e]): gate_factor times the product for j <= i, else 0; then times
 // rs[j] when rs is given (a per-column factor). G of row i is sg[min(i, last)] (rows beyond a
-// chunk repeat its last G). Every kernel that builds Att (output, walk_output, walk_bwd) does it
+// chunk repeat its last G). Every kernel that builds Att (walk_output, walk_bwd) does it
 // here (walk_bwd split in two around its product's wait: wg_gate_factors, wg_gate_apply).
 template <int N>
 __device__ __forceinline__ void wg_gate_scores(float (&att)[N / 2], const float* sg, int wq,

@@ -1,8 +1,8 @@
 """The cuda backward: walk_bwd (cuda/walk_bwd.cu) and chunk_bwd (cuda/chunk_bwd.cu), in the cuda
 primitive set.
 
-CPU host: the wrappers lower for the cuda platform to their custom calls (walk_bwd: scores given,
-or an f32[1] placeholder when recomputed, dS_end and dvn returned as bf16; chunk_bwd: rstd or
+CPU host: the wrappers lower for the cuda platform to their custom calls (walk_bwd: rstd or
+f32[1] placeholders, dS_end and dvn returned as bf16; chunk_bwd: rstd or
 f32[1] placeholders, h, dS_end and dvn taken as bf16); the gradient of gdn(backend="cuda") calls
 both kernels once and has no while loop; under jax.checkpoint its backward recomputes the forward
 only as far as the saved set (light: not the walk); saved_layout on the cuda backend reports the
@@ -10,7 +10,7 @@ bf16 h tape of full mode and equals what JAX keeps; bad inputs raise ValueError 
 argument.
 GPU host: cuda walk_bwd against xla walk_bwd on identical inputs (made by the xla forward
 primitives) on uneven documents (1, 0, 63, 64, 65, 0, 1000 tokens; 4 unused chunk slots), GVA
-(16, 48) and (2, 6), L2 norm on and off, scores None and given, bf16 and f32, K/V 128 and 64
+(16, 48) and (2, 6), L2 norm on and off, bf16 and f32, K/V 128 and 64
 (relative RMS <= 1e-2 on dS_end and dvn, which the kernel returns in bf16, and dh0; dS_end and dvn
 of unused chunk slots and dvn's padding rows are exactly 0, as xla gives);
 the same under JAX_CAKE_GDN_POISON=1 (subprocess) with every output finite; cuda chunk_bwd
@@ -86,29 +86,21 @@ def _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm):
 
 
 def walk_pairs(inp, qk_l2norm):
-    """xla walk_bwd and cuda walk_bwd (scores None; xla's scores; cuda's scores) on the same
-    inputs, made by the xla forward primitives. Returns a dict of arrays and the chunk lengths."""
+    """xla walk_bwd and cuda walk_bwd (the segments in either order) on the same inputs, made by
+    the xla forward primitives. Returns a dict of arrays and the chunk lengths."""
     scale = inp["q"].shape[-1] ** -0.5
 
     @jax.jit
     def run(q, k, v, g, beta, h0, do, dfinal, cu):
         ct, rq, rk, G, A, w, u, h, vn = _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm)
-        _, sc = X.output(q, k, G, h, vn, rq, rk, ct, scale=scale, out_dtype=v.dtype,
-                         with_scores=True)
-        bf = jnp.bfloat16  # the cuda kernels take w, h, v_new in bf16
-        _, sc_cuda = cuda.output(q, k, G, h.astype(bf), vn.astype(bf), rq, rk, ct.start,
-                                 ct.length, scale=scale, out_dtype=v.dtype, with_scores=True)
+        bf = jnp.bfloat16  # the cuda kernels take w in bf16
         tab = (ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order)
         # the segments' CTAs started in the opposite order: the same values, bit for bit
         tab_rev = tab[:-1] + (ct.seg_order[::-1],)
         wb = w.astype(bf)
         out = {"xla": X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale),
-               "cuda": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, *tab, scale=scale),
-               "cuda_sc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc.astype(bf), rq, rk, *tab,
-                                        scale=scale),
-               "cuda_scc": cuda.walk_bwd(q, k, wb, G, do, dfinal, sc_cuda, rq, rk, *tab,
-                                         scale=scale),
-               "cuda_rev": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, *tab_rev,
+               "cuda": cuda.walk_bwd(q, k, wb, G, do, dfinal, rq, rk, *tab, scale=scale),
+               "cuda_rev": cuda.walk_bwd(q, k, wb, G, do, dfinal, rq, rk, *tab_rev,
                                          scale=scale)}
         return out, ct.length
 
@@ -163,22 +155,20 @@ def _abstract_walk(T=300, H=2, HV=6, K=128, V=128, S=5, NC=9, dtype=jnp.bfloat16
     f32, i32 = jnp.float32, jnp.int32
     return dict(q=sds((T, H, K), dtype), k=sds((T, H, K), dtype), w=sds((T, HV, K), jnp.bfloat16),
                 G=sds((T, HV), f32), do=sds((T, HV, V), dtype), dfinal=sds((S, HV, K, V), f32),
-                scores=sds((NC, HV, 64, 64), jnp.bfloat16), rq=sds((T, H), f32),
+                rq=sds((T, H), f32),
                 rk=sds((T, H), f32),
                 cs=sds((NC,), i32), cl=sds((NC,), i32), sf=sds((S,), i32), sl=sds((S,), i32),
                 sn=sds((S,), i32), so=sds((S,), i32))
 
 
-@pytest.mark.parametrize("with_scores", [False, True])
 @pytest.mark.parametrize("l2", [True, False])
-def test_lower_walk_bwd_for_cuda(with_scores, l2):
+def test_lower_walk_bwd_for_cuda(l2):
     need_ext()
     a = _abstract_walk()
 
-    def f(q, k, w, G, do, dfinal, scores, rq, rk, cs, cl, sf, sl, sn, so):
-        return cuda.walk_bwd(q, k, w, G, do, dfinal, scores if with_scores else None,
-                             rq if l2 else None, rk if l2 else None, cs, cl, sf, sl, sn, so,
-                             scale=0.125)
+    def f(q, k, w, G, do, dfinal, rq, rk, cs, cl, sf, sl, sn, so):
+        return cuda.walk_bwd(q, k, w, G, do, dfinal, rq if l2 else None, rk if l2 else None, cs,
+                             cl, sf, sl, sn, so, scale=0.125)
 
     hlo = _lower_cuda(f, *a.values())
     calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_walk_bwd" in ln]
@@ -187,8 +177,6 @@ def test_lower_walk_bwd_for_cuda(with_scores, l2):
     # dS_end, dh0, dvn
     assert ("-> (tensor<9x6x128x128xbf16>, tensor<5x6x128x128xf32>, tensor<9x6x64x128xbf16>)"
             in call), call
-    assert ("tensor<9x6x64x64xbf16>" in call) == with_scores
-    assert ("tensor<1xbf16>" in call) == (not with_scores)  # absent scores: bf16[1]
     assert ("tensor<1xf32>" in call) == (not l2)  # absent rstd: f32[1]
     assert "stablehlo.while" not in hlo
 
@@ -333,7 +321,7 @@ def test_checkpoint_recomputes_only_what_the_backward_keeps(save_mode):
     else:
         assert (calls("solve_a"), calls("walk_output_tapes")) == (2, 2)
         assert calls("walk_output") == calls("replay") == 0
-    assert calls("state_walk") == calls("prep") == calls("output") == 0
+    assert calls("state_walk") == calls("prep") == 0
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -401,7 +389,7 @@ def test_bad_inputs_raise_value_error():
     s = jnp.zeros((S,), jnp.int32)
 
     def call(**kw):
-        a = dict(q=q, k=q, w=w, G=G, do=do, dfinal=df, scores=None, rstd_q=None, rstd_k=None,
+        a = dict(q=q, k=q, w=w, G=G, do=do, dfinal=df, rstd_q=None, rstd_k=None,
                  chunk_start=cs, chunk_len=cs, seg_first=s, seg_last=s, seg_len=s, seg_order=s)
         a.update(kw)
         return cuda.walk_bwd(*a.values(), scale=0.1)
@@ -419,9 +407,6 @@ def test_bad_inputs_raise_value_error():
         (dict(w=w.astype(jnp.float32)), "w must be bfloat16 (as the cuda prep / replay return it)"),
         (dict(G=G[:, :2]), "G must have shape"),
         (dict(dfinal=df[:2]), "dfinal must have shape"),
-        (dict(scores=jnp.zeros((NC, HV, 64, 32), jnp.bfloat16)), "scores must have shape"),
-        (dict(scores=jnp.zeros((NC, HV, 64, 64), jnp.float32)),
-         "scores must be bfloat16 (as the cuda output returns it)"),
         (dict(rstd_q=jnp.zeros((T, H + 1), jnp.float32)), "rstd_q"),
         (dict(rstd_k=jnp.zeros((T, H), jnp.bfloat16)), "rstd_k must be float32"),
         (dict(chunk_len=cs[:2]), "chunk_len"),
@@ -553,7 +538,7 @@ def test_gpu_walk_bwd_matches_xla(cfg):
     dS_x, dh0_x, dvn_x = (np.asarray(a) for a in out["xla"])
     pad = np.arange(64)[None, :] >= np.asarray(length)[:, None]  # [NC, 64] rows past a chunk
     errs = {}
-    for key in ("cuda", "cuda_sc", "cuda_scc"):
+    for key in ("cuda",):
         assert out[key][0].dtype == jnp.bfloat16 and dS_x.dtype == np.float32, key
         assert out[key][2].dtype == jnp.bfloat16 and dvn_x.dtype == np.float32, key
         # compared after casting the bf16 dS_end, dvn to f32 (their rounding is far below TOL)
@@ -576,13 +561,8 @@ def test_gpu_walk_bwd_matches_xla(cfg):
           + ", ".join(f"{k}={a:.1e}/{b:.1e}/{c:.1e}" for k, (a, b, c) in errs.items()))
     for key, e in errs.items():
         assert max(e) <= TOL, (key, e)
-    # with the cuda forward's own scores the kernel sees the same bf16 Att as when it recomputes
-    c1, c2 = out["cuda"], out["cuda_scc"]
-    assert all(rel(b, a) <= 1e-4 for a, b in zip(c1, c2))
     for a, b in zip(out["cuda"], out["cuda_rev"]):  # CTA order changes no value
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    print(f"[{name}] recompute vs cuda scores bitwise equal: "
-          f"{all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(c1, c2))}")
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
@@ -643,7 +623,7 @@ def walk_chunk_pairs(inp, qk_l2norm):
         tab_rev = tab[:-1] + (ct.seg_order[::-1],)
         out = {}
         for det in (True, False):
-            dS, dh0, dvn = cuda.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, *tab, scale=scale)
+            dS, dh0, dvn = cuda.walk_bwd(q, k, w, G, do, dfinal, rq, rk, *tab, scale=scale)
             out["two", det] = cuda.chunk_bwd(q, k, v, beta, G, A, h, vn, dS, dvn, do, rq, rk,
                                              ct.start, ct.length, scale=scale,
                                              deterministic=det) + (dh0,)
@@ -696,7 +676,7 @@ _POISON_CHECK = textwrap.dedent("""
     for name, H, HV, K, V, dtype, l2 in CONFIGS:
         inp = make_walk_inputs(3, H=H, HV=HV, K=K, V=V, dtype=dtype, qk_l2norm=l2)
         out, _ = walk_pairs(inp, l2)
-        for key in ("cuda", "cuda_sc", "cuda_scc"):
+        for key in ("cuda", "cuda_rev"):
             for a in out[key]:  # dS_end (bf16), dh0, dvn (bf16)
                 assert np.isfinite(np.asarray(a, np.float32)).all(), (name, key)
         # chunk_bwd: every token row of dq, dk, dv, dg, dbeta written (unused chunks write none);
@@ -717,7 +697,7 @@ _POISON_CHECK = textwrap.dedent("""
     dS, dh0, dvn = jax.jit(cuda.walk_bwd, static_argnames="scale")(
         q, q, jnp.zeros((T, HV, K), jnp.bfloat16), jnp.zeros((T, HV)),
         jnp.ones((T, HV, V), jnp.bfloat16),
-        jnp.ones((1, HV, K, V)), None, None, None, i32(0, 64, 128), i32(64, 64, 0), i32(0),
+        jnp.ones((1, HV, K, V)), None, None, i32(0, 64, 128), i32(64, 64, 0), i32(0),
         i32(0), i32(64), i32(0), scale=0.1)
     assert dS.dtype == dvn.dtype == jnp.bfloat16  # poison (0xFF bytes) is a NaN in bf16 too
     dS, dh0, dvn = np.asarray(dS, np.float32), np.asarray(dh0), np.asarray(dvn, np.float32)

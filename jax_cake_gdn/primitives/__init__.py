@@ -5,33 +5,32 @@ functions; `xla` implements all of them in jax.numpy, `cuda` replaces them with 
 they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels today).
 
 Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output
-(o, scores); solve_a (prep's A alone) and walk_output (w, u from A, state_walk and output in
-one: o and exit states; with tapes=True also w, u, h, v_new as replay returns them), which gdn's
-forward uses (light: without the tapes; full: with them). Backward: replay
-(w, u from the saved A and state_walk in one: the light mode's replay; the cuda one makes w, u
-on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse state walk: dS_end, dh0
-and each chunk's dvn), chunk_bwd (all input gradients from them), walk_chunk_bwd (the two in
-one, gdn's backward: the cuda one starts chunk_bwd's CTAs on the SMs the walk leaves idle).
-nan_unless (o, or NaN everywhere when traced cu_seqlens are malformed; the cuda one works in
-place). Segments and context parallelism: transfer (the affine summaries M, B of the units that
-need them, one state-only walk) and transfer_bwd (its backward twin: each carry-taking unit's
-entry gradient from a zero exit gradient).
+(o, scores; xla only: the cuda walk_output fuses it); solve_a (prep's A alone) and walk_output
+(w, u from A, state_walk and output in one: o and exit states; with tapes=True also w, u, h,
+v_new as replay returns them), which gdn's forward uses (light: without the tapes; full: with
+them). Backward: replay (w, u from the saved A and state_walk in one: the light mode's replay;
+the cuda one makes w, u on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse
+state walk: dS_end, dh0 and each chunk's dvn), chunk_bwd (all input gradients from them),
+walk_chunk_bwd (the two in one, gdn's backward: the cuda one starts chunk_bwd's CTAs on the SMs
+the walk leaves idle). nan_unless (o, or NaN everywhere when traced cu_seqlens are malformed; the
+cuda one works in place). Segments and context parallelism: transfer (the affine summaries M, B
+of the units that need them, one state-only walk) and transfer_bwd (its backward twin: each
+carry-taking unit's entry gradient from a zero exit gradient).
 Signatures: see primitives/xla.py.
 
-The cuda set keeps A, w, u, v_new, the scores and the state tapes in bfloat16: its prep returns
-A, w and u (solve_a: A), its state_walk returns h and v_new, its output the scores and its
+The cuda set keeps A, w, u, v_new and the state tapes in bfloat16: its prep returns
+A, w and u (solve_a: A), its state_walk returns h and v_new and its
 walk_bwd returns dS_end and dvn as bf16 (rounded to nearest from f32: the values the kernels
 that read them use as operands; u starts the walks' f32 v_new accumulator), and those kernels accept
 only bf16 there; the xla set keeps them float32. Primitives of the two sets do not mix at these
 arrays (cast explicitly where a test does: `h.astype(jnp.bfloat16)`); exit states, dh0 and every
 other intermediate are float32 in both. The cuda walk_output makes w, u on chip from A with other
-bf16 roundings than output after state_walk (primitives/cuda.py), so its o agrees with theirs to
-about one bf16 rounding; with tapes=True its o and its w, h, v_new are bit for bit the o without
-and the replay's (gdn's two save modes rely on it).
+bf16 roundings than xla's output after state_walk; with tapes=True its o and its w, h, v_new are
+bit for bit the o without and the replay's (gdn's two save modes rely on it).
 
-The cuda set's chunk_bwd kernel recomputes the intra-chunk scores instead of reading the saved
-ones (and needs neither w nor u; dvn comes from walk_bwd, which makes it for its own update);
-gdn keeps no scores in either save mode.
+The cuda set's walk_bwd and chunk_bwd kernels recompute the intra-chunk scores instead of reading
+saved ones (chunk_bwd needs neither w nor u; dvn comes from walk_bwd, which makes it for its own
+update); gdn keeps no scores in either save mode.
 chunk_bwd(..., deterministic=False) lets the cuda kernel sum dq, dk over each GVA group with
 atomic adds (run-to-run differences in the last bits); the xla one sums in a fixed order either
 way.
@@ -70,7 +69,7 @@ XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.solve_a,
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
 CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "solve_a", "state_walk", "replay",
-                "output", "walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd", "nan_unless",
+                "walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd", "nan_unless",
                 "transfer", "transfer_bwd")
 BACKENDS = ("xla", "cuda")
 
@@ -78,10 +77,6 @@ BACKENDS = ("xla", "cuda")
 @functools.cache
 def _cuda_primitives() -> Primitives:
     from . import cuda
-
-    def output(q, k, G, h, v_new, rstd_q, rstd_k, ct, *, scale, out_dtype, with_scores=False):
-        return cuda.output(q, k, G, h, v_new, rstd_q, rstd_k, ct.start, ct.length, scale=scale,
-                           out_dtype=out_dtype, with_scores=with_scores)
 
     def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale, out_dtype,
                     tapes=False):
@@ -99,7 +94,8 @@ def _cuda_primitives() -> Primitives:
         return w, None, h, v_new  # u stays on chip: chunk_bwd does not read it (below)
 
     def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct, *, scale):
-        return cuda.walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct.start, ct.length,
+        del scores  # Att is recomputed (module docstring)
+        return cuda.walk_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, ct.start, ct.length,
                              ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order, scale=scale)
 
     def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd_q, rstd_k,
@@ -135,7 +131,6 @@ def _cuda_primitives() -> Primitives:
             k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len,
             ct.seg_order),
         replay=replay,
-        output=output,
         walk_output=walk_output,
         walk_bwd=walk_bwd,
         chunk_bwd=chunk_bwd,

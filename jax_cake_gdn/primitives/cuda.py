@@ -36,7 +36,6 @@ __all__ = [
     "solve_a",
     "state_walk",
     "replay",
-    "output",
     "walk_output",
     "walk_bwd",
     "chunk_bwd",
@@ -212,8 +211,8 @@ def gate_cumsum(g, chunk_start, chunk_len):
 
 
 # ------------------------------------------------------------------------------------------------
-# Forward kernels (cuda/prep.cu, state_walk.cu, output.cu, l2norm.cu). Interfaces follow
-# primitives/xla.py with the chunk table passed as arrays, but A, w, u, v_new, the scores and the
+# Forward kernels (cuda/prep.cu, state_walk.cu, l2norm.cu). Interfaces follow
+# primitives/xla.py with the chunk table passed as arrays, but A, w, u, v_new and the
 # state tape h are bfloat16 (the f32 values rounded to nearest: every kernel that reads them uses
 # them as bf16 operands, u as the start of an f32 accumulator), as is the backward's dS_end. The
 # cuda primitives therefore do not mix with the xla ones at these arrays without a cast
@@ -224,7 +223,7 @@ def gate_cumsum(g, chunk_start, chunk_len):
 SUPPORTED_DIMS = (64, 128)  # head dims K and V the forward kernels are instantiated for
 _CHUNK = 64
 _QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
-# An absent optional operand or result (no L2 norm; no saved scores, there as bf16[1]): f32[1].
+# An absent optional operand (no L2 norm): f32[1].
 # Not f32[0]: a zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under
 # shard_map (jax 0.11.2).
 _ABSENT = np.zeros((1,), np.float32)
@@ -449,8 +448,8 @@ def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_la
     """Walk each segment's chunks in order from its entry state h0 [S, HV, K, V].
 
     w: bfloat16 [T, HV, K] as `prep` returns it. Returns h bfloat16 [NC, HV, K, V] (the state
-    entering each chunk, rounded to nearest from the walk's f32 state: the value `output` and
-    `chunk_bwd` use as an operand), v_new bfloat16 [T, HV, V] (likewise rounded from f32) and the
+    entering each chunk, rounded to nearest from the walk's f32 state: the value `chunk_bwd`
+    uses as an operand), v_new bfloat16 [T, HV, V] (likewise rounded from f32) and the
     exit state of each segment float32 [S, HV, K, V] (h0 itself for an empty segment).
     xla.state_walk returns the same h and v_new in float32.
     """
@@ -505,34 +504,6 @@ def replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_
                        k, v, beta, A, G, h0, r, *tab))
 
 
-def output(q, k, G, h, v_new, rstd_q, rstd_k, chunk_start, chunk_len, *, scale: float,
-           out_dtype, with_scores: bool = False):
-    """o = scale (Q e^G h + Att v_new) [T, HV, V] in out_dtype; Att bf16[NC, HV, 64, 64] if asked
-    (else None; rounded to nearest: walk_bwd uses it only as a bf16 operand). h bfloat16
-    [NC, HV, K, V] and v_new bfloat16 [T, HV, V], as `state_walk` returns them (f32 ones, e.g.
-    xla's, must be cast first: `.astype(jnp.bfloat16)` is the rounding the kernel used to
-    apply)."""
-    fn = "output"
-    q, k = _qk(fn, q, k)
-    T, H, K = q.shape
-    v_new = _tokens_v(fn, "v_new", v_new, T, "bfloat16")
-    HV, V = v_new.shape[1], v_new.shape[2]
-    _check_dims(fn, K=K, V=V)
-    _heads(fn, H, HV)
-    v_new = _bf16(fn, "v_new", v_new, (T, HV, V), _VNEW_FROM)
-    G = _f32(fn, "G", G, (T, HV))
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    NC = cs.shape[0]
-    h = _bf16(fn, "h", h, (NC, HV, K, V), "the state walk's tape")
-    rq = _rstd(fn, "rstd_q", rstd_q, T, H)
-    rk = _rstd(fn, "rstd_k", rstd_k, T, H)
-    out_dtype = _out_dtype(fn, out_dtype)
-    s_shape = (NC, HV, _CHUNK, _CHUNK) if with_scores else _ABSENT.shape
-    o, scores = _call(fn, [((T, HV, V), out_dtype), (s_shape, jnp.bfloat16)],
-                      q, k, G, h, v_new, rq, rk, cs, cl, scale=np.float32(scale))
-    return o, (scores if with_scores else None)
-
-
 def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
                 seg_last, seg_len, seg_order, *, scale: float, out_dtype, tapes: bool = False):
     """w, u from A, state_walk and output in one kernel (the light forward): w, u, h and v_new never
@@ -541,10 +512,9 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
     q, k, v: bf16/f32 (same dtype; q, k [T, H, K], v [T, HV, V]); beta f32[T, HV]; A
     bf16[NC, HV, 64, 64] as `solve_a` returns it; G, h0, rstd_k and the tables as `state_walk`;
     rstd_q f32[T, H] or None. The kernel makes w = bf16(A diag(beta e^G r)) K and
-    u = bf16(A diag(beta)) V as bf16 on chip, as prep does, but takes q, k unnormalised and
-    scales accumulators and v_new instead, so o agrees with `output` after `state_walk` on
-    prep's w, u to about one bf16 rounding. Returns o
-    [T, HV, V] in out_dtype (as `output`) and the exit state of each segment f32[S, HV, K, V]
+    u = bf16(A diag(beta)) V as bf16 on chip, as prep does, and takes q, k unnormalised
+    (the rstd factors go on accumulators and v_new). Returns o
+    [T, HV, V] in out_dtype and the exit state of each segment f32[S, HV, K, V]
     (as `state_walk`); with `tapes` also h bf16[NC, HV, K, V], v_new bf16[T, HV, V] and
     w bf16[T, HV, K], bit for bit `replay`'s (o and the exit states bit for bit those without).
     """
@@ -571,14 +541,13 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
 # ------------------------------------------------------------------------------------------------
 
 
-def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
+def walk_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
              seg_last, seg_len, seg_order, *, scale: float):
     """Reverse walk for the state gradients (xla.walk_bwd with the chunk table as arrays).
 
     q, k: bf16/f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
-    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores bf16[NC, HV, 64, 64]
-    (the saved Att, as the cuda `output` returns it) or None (recomputed in the kernel); rstd_q,
-    rstd_k f32[T, H] or None.
+    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; rstd_q, rstd_k f32[T, H] or
+    None. The scores Att are recomputed in the kernel.
     Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
     from the walk's f32 gradient: `chunk_bwd` uses it only as a bf16 operand; 0 for unused chunks;
     xla.walk_bwd returns it in float32), dh0 f32[S, HV, K, V] (gradient of each segment's entry
@@ -591,19 +560,15 @@ def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, chunk_start, chunk_
         fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
         seg_len, seg_order)
     (T, H, K), (HV, V), NC, S = q.shape, do.shape[1:], tab[0].shape[0], dfinal.shape[0]
-    if scores is None:
-        sc = jnp.asarray(_ABSENT, jnp.bfloat16)
-    else:
-        sc = _bf16(fn, "scores", scores, (NC, HV, _CHUNK, _CHUNK), "as the cuda output returns it")
     dS_end, dh0, dvn = _call(
-        fn, _walk_bwd_results(NC, S, HV, K, V), q, k, w, G, do, dfinal, sc, rq, rk, *tab,
+        fn, _walk_bwd_results(NC, S, HV, K, V), q, k, w, G, do, dfinal, rq, rk, *tab,
         scale=np.float32(scale))
     return dS_end, dh0, dvn
 
 
 def _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len,
                      seg_first, seg_last, seg_len, seg_order):
-    """walk_bwd's checked and converted inputs (but scores); the tables as one tuple."""
+    """walk_bwd's checked and converted inputs; the tables as one tuple."""
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
     do = _qkv(fn, "do", do)
@@ -698,7 +663,7 @@ def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chu
 def walk_chunk_bwd(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rstd_q, rstd_k, chunk_start,
                    chunk_len, seg_first, seg_last, seg_len, seg_order, *, scale: float,
                    deterministic: bool = True):
-    """walk_bwd (scores recomputed) and chunk_bwd in one call (xla.walk_chunk_bwd with the
+    """walk_bwd and chunk_bwd in one call (xla.walk_chunk_bwd with the
     tables as arrays): the inputs as those two take them. chunk_bwd's CTAs start while the walk
     runs (programmatic dependent launch; JAX_CAKE_GDN_PDL=0: after it), on the SMs its
     longest-first schedule leaves idle, last chunk first, each waiting for its item's dS_end
