@@ -15,7 +15,7 @@
 // Every token row is written by its chunk; unused chunks (length 0) write nothing.
 #include "bwd_plans.cuh"
 #include "chunk_bwd.cuh"
-#include "fwd_args.cuh"
+#include "handler.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_chunk_bwd"
 

@@ -60,7 +60,7 @@
 // before them to publish the item (its warp has only its copies to wait for then).
 #pragma once
 
-#include "fwd_common.cuh"
+#include "device_common.cuh"
 #include "handoff.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"

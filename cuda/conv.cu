@@ -25,7 +25,7 @@
 // dweight: the CTA of token block b (T / NB tokens, walked tile by tile) adds its warps' sums in
 // warp order and writes them to partials[b]; a second kernel adds the NB partials in block
 // order. No atomics: bitwise reproducible.
-#include "fwd_args.cuh"
+#include "handler.cuh"
 
 namespace jax_cake_gdn {
 namespace {

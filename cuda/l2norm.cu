@@ -8,8 +8,8 @@
 // f32 sums in a fixed order (per-lane partial sums, then a butterfly), so both are deterministic.
 // rstd: 16-byte loads, K * sizeof / 16 lanes per row where that is 8, 16 or 32 (K = 64, 128), else
 // any K with a warp per row; l2norm_bwd: one warp per row, K in {64, 128}.
-#include "fwd_args.cuh"
-#include "fwd_common.cuh"
+#include "handler.cuh"
+#include "device_common.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_l2norm_rstd"
 

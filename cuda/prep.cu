@@ -13,7 +13,7 @@
 //
 // k, v: bf16 or f32 [T, H, K] / [T, HV, V] (same dtype); beta, G: f32[T, HV]; rstd_k: f32[T, H]
 // or f32[1] (no L2 norm); chunk_start / chunk_len: int32[NC] (chunks.py). K, V in {64, 128}.
-#include "fwd_args.cuh"
+#include "handler.cuh"
 #include "prep.cuh"
 
 namespace jax_cake_gdn {

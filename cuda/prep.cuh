@@ -27,7 +27,7 @@
 // GVA: value head hv reads k head hv / (HV / H).
 #pragma once
 
-#include "fwd_common.cuh"
+#include "device_common.cuh"
 
 namespace jax_cake_gdn {
 

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <string>
 
-#include "fwd_common.cuh"
+#include "device_common.cuh"
 
 namespace jax_cake_gdn {
 

@@ -19,7 +19,7 @@
 // segment unit_seg[u]'s entry state from its exit gradient dfinal[s] (the same reverse walk, no
 // dS_end or dvn stored); unit_seg[u] = -1: zeros.
 #include "bwd_plans.cuh"
-#include "fwd_args.cuh"
+#include "handler.cuh"
 #include "walk_bwd_wg.cuh"
 
 #define JCG_HANDLER_NAME "jax_cake_gdn_walk_bwd"

@@ -1,10 +1,10 @@
-// Host-side pieces the forward walks' handlers share (state_walk.cu, transfer.cu): their
+// Host-side pieces the forward walks' handlers share (walk_fwd.cu, transfer.cu): their
 // WalkFwdArgs, TMA maps, checks and launch.
 #pragma once
 
 #include <string>
 
-#include "fwd_args.cuh"
+#include "handler.cuh"
 #include "walk_fwd_wg.cuh"
 
 namespace jax_cake_gdn {

@@ -11,7 +11,7 @@
 // 16-byte unit of the 128-byte swizzle).
 #pragma once
 
-#include "fwd_common.cuh"
+#include "device_common.cuh"
 #include "wgmma.cuh"
 
 namespace jax_cake_gdn {

@@ -16,7 +16,7 @@
 // byte offset >> 4 in [16, 30), stride byte offset >> 4 in [32, 46), base offset [49, 52) (0:
 // aligned tiles), swizzle mode [62, 64) (1: 128-byte).
 //
-// The accumulator of m64nN is the m16n8 C fragment (fwd_common.cuh) tiled over the N / 8 column
+// The accumulator of m64nN is the m16n8 C fragment (device_common.cuh) tiled over the N / 8 column
 // blocks, warp w of the warpgroup owning rows 16 w..16 w + 15: d[4 j + e] is row
 // 16 w + g + 8 (e / 2), column 8 j + 2 q + (e % 2) (g = lane / 4, q = lane % 4).
 //
@@ -57,7 +57,7 @@ __device__ __forceinline__ uint32_t slab_offset(int row, int col) {
   return static_cast<uint32_t>((col / 64) * Rows * 128) + sw128_offset(row, col % 64);
 }
 
-// Element addresses of such a tile at base, for the *_tile_at loaders (fwd_common.cuh).
+// Element addresses of such a tile at base, for the *_tile_at loaders (device_common.cuh).
 template <int Rows>
 __device__ __forceinline__ auto slab_at(unsigned char* base) {
   return [=](int row, int col) {

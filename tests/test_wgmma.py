@@ -68,7 +68,7 @@ def test_wgmma_kernels_not_serialized():
         assert r.returncode == 0, r.stderr[-2000:]
         if "wgmma.cuh" in r.stdout:
             users.append(f)
-    assert "state_walk.cu" in users, users
+    assert "walk_fwd.cu" in users, users
     for f in users:
         r = subprocess.run([nvcc, *_cuda_flags(), "-Xptxas", "-v", "-c",
                             os.path.join(ROOT, "cuda", f), "-o", os.devnull],

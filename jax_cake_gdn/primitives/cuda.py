@@ -211,7 +211,7 @@ def gate_cumsum(g, chunk_start, chunk_len):
 
 
 # ------------------------------------------------------------------------------------------------
-# Forward kernels (cuda/prep.cu, state_walk.cu, l2norm.cu). Interfaces follow
+# Forward kernels (cuda/prep.cu, walk_fwd.cu, transfer.cu, l2norm.cu). Interfaces follow
 # primitives/xla.py with the chunk table passed as arrays, but A, w, u, v_new and the
 # state tape h are bfloat16 (the f32 values rounded to nearest: every kernel that reads them uses
 # them as bf16 operands, u as the start of an f32 accumulator), as is the backward's dS_end. The

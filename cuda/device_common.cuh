@@ -1,4 +1,5 @@
-// Device helpers shared by the forward kernel families (prep, state_walk, l2norm).
+// Device helpers shared by the kernel families, forward and backward (mma.sync tiles, loaders,
+// bf16 state tapes, chunk bounds).
 //
 // Tensor-core work uses mma.sync.m16n8k16 (bf16 x bf16 -> f32) fed by ldmatrix from padded
 // shared-memory tiles (rows of D + 8 bf16: 16-byte aligned and bank-conflict free for ldmatrix).

@@ -1,5 +1,5 @@
-// FFI handlers of the state walk and of the fused walk + output, one kernel template on Hopper
-// wgmma (walk_fwd_wg.cuh; kOut = false / true):
+// FFI handlers of the forward walks: the state walk, the light backward's replay and the fused
+// walk + output (with or without tapes), one kernel template on Hopper wgmma (walk_fwd_wg.cuh):
 //
 //   jax_cake_gdn_state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
 //                           seg_len, seg_order) -> h bf16[NC, HV, K, V], v_new bf16[T, HV, V],

@@ -1,10 +1,10 @@
-// Host-side argument checks shared by the handlers (prep.cu, state_walk.cu, walk_bwd.cu, ...).
+// Host-side argument checks shared by the handlers (prep.cu, walk_fwd.cu, walk_bwd.cu, ...).
 // Each returns an empty string when the argument is fine, else the message for JCG_CHECK_ARG.
 #pragma once
 
 #include <string>
 
-#include "fwd_common.cuh"
+#include "device_common.cuh"
 
 namespace jax_cake_gdn {
 
