@@ -2,8 +2,8 @@
 //
 // Convention (one for the whole project):
 //   * Handler bodies live next to their kernels, in cuda/<family>.cu, defined with
-//     XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_<name>, ...) (typed buffers, shape checks,
-//     stream from the context; see cuda/common.cuh). nvcc compiles those files into the static
+//     JCG_FFI_HANDLER(<name>, impl) (the binding read from impl's typed parameters; see
+//     cuda/common.cuh and cuda/handler.cuh). nvcc compiles those files into the static
 //     library jcg_kernels; this file is plain host C++ and never sees a kernel.
 //   * bindings/handlers.inc lists every handler by name, one JCG_HANDLER(name) line each. This
 //     file expands that list twice: extern "C" declarations, then the {target_name: capsule} table.

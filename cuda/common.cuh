@@ -1,17 +1,19 @@
 // Shared conventions for every FFI handler in cuda/*.cu.
 //
-// A kernel family lives in one cuda/<family>.cu (small compile units). That file holds the
-// __global__ kernels, a host launcher, and the XLA FFI handler symbol(s) for the family, defined
-// with XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_<name>, ...). The handler symbol is extern "C";
-// bindings/handlers.inc lists it once so bindings/module.cc can hand XLA a capsule for it.
+// A kernel family lives in one cuda/<family>.cu (small compile units). That file holds the host
+// side of the family's kernels and its XLA FFI handler(s): JCG_FFI_HANDLER(<name>, impl)
+// (handler.cuh) defines the extern "C" symbol jax_cake_gdn_<name>, bound from impl's parameter
+// list; bindings/handlers.inc lists it once so bindings/module.cc can hand XLA a capsule for it.
 //
 // Rules for handlers:
-//   * typed buffers (ffi::Buffer<ffi::F32> ...), every rank/shape checked up front with
-//     JCG_CHECK_ARG (returns ffi::Error::InvalidArgument naming the argument);
-//   * the stream comes from the context: .Ctx<ffi::PlatformStream<cudaStream_t>>();
+//   * the Python wrapper (jax_cake_gdn/primitives/cuda.py) checks every argument's shape and dtype
+//     (errors name the argument) and builds the results; the handler reads its sizes from the
+//     buffers;
+//   * the stream is the impl's first parameter (the platform stream from the context);
 //   * no allocation, no host sync (so handlers stay kCmdBufferCompatible, CUDA-graph capturable);
 //   * outputs (and later scratch) go through poison() before the kernel runs;
-//   * launch errors come back as ffi::Error::Internal via JCG_CHECK_LAUNCH.
+//   * errors (launch, tensor maps, dispatch) come back as ffi::Error, prefixed with the target's
+//     name (handler.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,39 +31,6 @@ namespace ffi = xla::ffi;
 
 // Chunk length of the chunked GDN form (DESIGN.md section 1).
 inline constexpr int kChunk = 64;
-
-// Returns InvalidArgument(msg) from the enclosing handler when `cond` is false.
-#define JCG_CHECK_ARG(cond, msg)                                   \
-  do {                                                             \
-    if (!(cond)) {                                                 \
-      return ::xla::ffi::Error::InvalidArgument(                   \
-          std::string(JCG_HANDLER_NAME) + ": " + (msg));           \
-    }                                                              \
-  } while (0)
-
-// Returns Internal(...) from the enclosing handler if a CUDA call failed.
-#define JCG_CHECK_CUDA(expr)                                                 \
-  do {                                                                       \
-    cudaError_t jcg_err_ = (expr);                                           \
-    if (jcg_err_ != cudaSuccess) {                                           \
-      return ::xla::ffi::Error::Internal(                                    \
-          std::string(JCG_HANDLER_NAME) + ": " #expr " failed: " +           \
-          cudaGetErrorString(jcg_err_));                                     \
-    }                                                                        \
-  } while (0)
-
-// After a <<<...>>> launch: reports a bad launch configuration or an earlier sticky error.
-#define JCG_CHECK_LAUNCH() JCG_CHECK_CUDA(cudaGetLastError())
-
-// "[a, b, c]" for error messages.
-inline std::string dims_str(ffi::Span<const int64_t> dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(dims[i]);
-  }
-  return s + "]";
-}
 
 // JAX_CAKE_GDN_POISON=1 (read once per process): outputs are filled with NaN before a kernel
 // runs, so any element a kernel forgets to write shows up as non-finite in tests. All bytes 0xFF

@@ -25,6 +25,7 @@
 // dweight: the CTA of token block b (T / NB tokens, walked tile by tile) adds its warps' sums in
 // warp order and writes them to partials[b]; a second kernel adds the NB partials in block
 // order. No atomics: bitwise reproducible.
+#include "device_common.cuh"
 #include "handler.cuh"
 
 namespace jax_cake_gdn {
@@ -38,7 +39,6 @@ constexpr int kFwdTile = kWarps * kFwdTokens;  // tokens per forward CTA
 constexpr int kBwdTile = kWarps * kBwdTokens;  // tokens per backward tile step
 constexpr int kSumThreads = 256;
 constexpr int kSumUnroll = 16;           // partial rows in flight per thread of sum_partials
-constexpr int kMaxWidth = 4;
 constexpr int kBwdRowBytes = 8;          // bytes per thread and row, backward vector path
 
 // ---------------------------------------------------------------- per-thread rows
@@ -382,155 +382,79 @@ void dispatch_vec(int64_t C, int64_t elem_bytes, std::initializer_list<const voi
   }
 }
 
-bool is_float(ffi::DataType dt) { return dt == ffi::DataType::BF16 || dt == ffi::DataType::F32; }
-
-// x [T, C], weight [C, W] (W in 1..4), pos int32[T], activation 0 or 1.
-std::string check_conv_inputs(const ffi::AnyBuffer& x, const ffi::AnyBuffer& weight,
-                              ffi::Span<const int64_t> pos, int32_t activation) {
-  const auto xd = x.dimensions();
-  if (xd.size() != 2) return "x must be [T, C], got shape " + dims_str(xd);
-  if (!is_float(x.element_type()))
-    return std::string("x must be bfloat16 or float32, got ") + dtype_name(x.element_type());
-  const auto wd = weight.dimensions();
-  if (wd.size() != 2 || wd[0] != xd[1])
-    return "weight must be [C, W] with C = " + std::to_string(xd[1]) + ", got shape " +
-           dims_str(wd);
-  if (wd[1] < 1 || wd[1] > kMaxWidth)
-    return "weight width W must be in 1..4, got " + std::to_string(wd[1]);
-  if (!is_float(weight.element_type()))
-    return std::string("weight must be bfloat16 or float32, got ") +
-           dtype_name(weight.element_type());
-  if (!dims_are(pos, {xd[0]}))
-    return "pos must be int32[" + std::to_string(xd[0]) + "], got shape " + dims_str(pos);
-  if (activation != 0 && activation != 1)
-    return "activation must be 0 (none) or 1 (silu), got " + std::to_string(activation);
-  if (xd[1] > int64_t{65535} * 32) return "C too large: " + std::to_string(xd[1]);
-  return {};
-}
-
-// An x-shaped result (y, dx) or operand (dy): x's shape and dtype.
-std::string check_like_x(const char* name, ffi::Span<const int64_t> d, ffi::DataType dt,
-                         const ffi::AnyBuffer& x) {
-  if (!(d == x.dimensions()) || dt != x.element_type())
-    return std::string(name) + " must have x's shape " + dims_str(x.dimensions()) + " and dtype " +
-           dtype_name(x.element_type()) + ", got " + dims_str(d) + " " + dtype_name(dt);
-  return {};
-}
-
 // (token blocks, channel chunks of 32 * vec).
 dim3 conv_grid(int64_t token_blocks, int64_t C, int vec) {
   return dim3(static_cast<unsigned>(token_blocks), ceil_div(C, int64_t{32} * vec));
 }
 
-#define JCG_HANDLER_NAME "jax_cake_gdn_conv_fwd"
+inline constexpr char kActivation[] = "activation";
+using Activation = ffi::Attr<int32_t, kActivation>;  // 0: none, 1: silu
 
-ffi::Error conv_fwd_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                         ffi::Buffer<ffi::S32> pos, int32_t activation,
-                         ffi::Result<ffi::AnyBuffer> y) {
-  JCG_CHECK_MSG(check_conv_inputs(x, weight, pos.dimensions(), activation));
-  JCG_CHECK_MSG(check_like_x("y", y->dimensions(), y->element_type(), x));
+ffi::Error conv_fwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, S32 pos,
+                    Activation activation, Ret<ffi::AnyBuffer> y) {
+  JCG_CHECK_CUDA(poison(stream, *y));
   const int64_t T = x.dimensions()[0], C = x.dimensions()[1], W = weight.dimensions()[1];
-  JCG_CHECK_ARG(T / kFwdTile < (int64_t{1} << 31) - 1, "T too large: " + std::to_string(T));
-
-  JCG_CHECK_CUDA(poison(stream, y->untyped_data(), y->size_bytes()));
   if (T == 0 || C == 0) return ffi::Error::Success();
   const bool w_bf16 = weight.element_type() == ffi::DataType::BF16;
-  cudaError_t err = cudaSuccess;
-  dispatch_float_type(x.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
-    dispatch_width(W, [&](auto width) {
-      constexpr int kW = decltype(width)::value;
-      constexpr int kVec16 = 16 / static_cast<int>(sizeof(In));  // 16-byte rows
-      dispatch_vec<kVec16>(C, sizeof(In), {x.untyped_data(), y->untyped_data()}, [&](auto vec) {
-        constexpr int kVec = decltype(vec)::value;
-        conv_fwd_kernel<In, kW, kVec>
-            <<<conv_grid(ceil_div(T, kFwdTile), C, kVec), kConvThreads, 0, stream>>>(
-                static_cast<const In*>(x.untyped_data()), weight.untyped_data(), w_bf16,
-                pos.typed_data(), static_cast<In*>(y->untyped_data()), T, C, activation == 1);
-        err = cudaGetLastError();
-      });
-    });
-  });
-  JCG_CHECK_CUDA(err);
-  return ffi::Error::Success();
+  return dispatch(
+      [&](auto in) {
+        using In = typename decltype(in)::type;
+        cudaError_t err = cudaSuccess;
+        dispatch_width(W, [&](auto width) {
+          constexpr int kW = decltype(width)::value;
+          constexpr int kVec16 = 16 / static_cast<int>(sizeof(In));  // 16-byte rows
+          dispatch_vec<kVec16>(C, sizeof(In), {x.untyped_data(), y->untyped_data()},
+                               [&](auto vec) {
+            constexpr int kVec = decltype(vec)::value;
+            conv_fwd_kernel<In, kW, kVec>
+                <<<conv_grid(ceil_div(T, kFwdTile), C, kVec), kConvThreads, 0, stream>>>(
+                    data<In>(x), weight.untyped_data(), w_bf16, pos.typed_data(), data<In>(*y),
+                    T, C, *activation == 1);
+            err = cudaGetLastError();
+          });
+        });
+        return cuda_status(err, "conv_fwd_kernel");
+      },
+      FloatType{x.element_type()});
 }
 
-#undef JCG_HANDLER_NAME
-#define JCG_HANDLER_NAME "jax_cake_gdn_conv_bwd"
-
-ffi::Error conv_bwd_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight,
-                         ffi::Buffer<ffi::S32> pos, ffi::AnyBuffer dy, int32_t activation,
-                         ffi::Result<ffi::AnyBuffer> dx, ffi::ResultBuffer<ffi::F32> dweight,
-                         ffi::ResultBuffer<ffi::F32> partials) {
-  JCG_CHECK_MSG(check_conv_inputs(x, weight, pos.dimensions(), activation));
-  JCG_CHECK_MSG(check_like_x("dy", dy.dimensions(), dy.element_type(), x));
-  JCG_CHECK_MSG(check_like_x("dx", dx->dimensions(), dx->element_type(), x));
+ffi::Error conv_bwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer weight, S32 pos,
+                    ffi::AnyBuffer dy, Activation activation, Ret<ffi::AnyBuffer> dx,
+                    Ret<F32> dweight, Ret<F32> partials) {
+  JCG_CHECK_CUDA(poison_all(stream, *dx, *dweight, *partials));
   const int64_t T = x.dimensions()[0], C = x.dimensions()[1], W = weight.dimensions()[1];
-  JCG_CHECK_ARG(dims_are(dweight->dimensions(), {C, W}),
-                "dweight must be f32[C, W] = f32" + dims_str(weight.dimensions()) + ", got shape " +
-                    dims_str(dweight->dimensions()));
-  const auto pd = partials->dimensions();
-  JCG_CHECK_ARG(pd.size() == 3 && pd[0] >= 1 && pd[0] < (int64_t{1} << 31) && pd[1] == C &&
-                    pd[2] == W,
-                "partials must be f32[NB, C, W] with NB >= 1, got shape " + dims_str(pd));
-  const int64_t NB = pd[0];
+  const int64_t NB = partials->dimensions()[0];
   const int64_t tokens = (T + NB - 1) / NB;  // token block of each partial
-
-  JCG_CHECK_CUDA(poison(stream, dx->untyped_data(), dx->size_bytes()));
-  JCG_CHECK_CUDA(poison(stream, *dweight));
-  JCG_CHECK_CUDA(poison(stream, *partials));
   if (C == 0) return ffi::Error::Success();
   const bool w_bf16 = weight.element_type() == ffi::DataType::BF16;
-  cudaError_t err = cudaSuccess;
-  dispatch_float_type(x.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
-    dispatch_width(W, [&](auto width) {
-      constexpr int kW = decltype(width)::value;
-      constexpr int kVec8 = kBwdRowBytes / static_cast<int>(sizeof(In));  // 8-byte rows
-      dispatch_vec<kVec8>(C, sizeof(In),
-                            {x.untyped_data(), dy.untyped_data(), dx->untyped_data()},
-                            [&](auto vec) {
-        constexpr int kVec = decltype(vec)::value;
-        conv_bwd_kernel<In, kW, kVec><<<conv_grid(NB, C, kVec), kConvThreads, 0, stream>>>(
-            static_cast<const In*>(x.untyped_data()), weight.untyped_data(), w_bf16,
-            pos.typed_data(), static_cast<const In*>(dy.untyped_data()),
-            static_cast<In*>(dx->untyped_data()), partials->typed_data(), T, C, tokens,
-            activation == 1);
-        err = cudaGetLastError();
-      });
-    });
-  });
-  JCG_CHECK_CUDA(err);
+  JCG_RETURN_IF_ERROR(dispatch(
+      [&](auto in) {
+        using In = typename decltype(in)::type;
+        cudaError_t err = cudaSuccess;
+        dispatch_width(W, [&](auto width) {
+          constexpr int kW = decltype(width)::value;
+          constexpr int kVec8 = kBwdRowBytes / static_cast<int>(sizeof(In));  // 8-byte rows
+          dispatch_vec<kVec8>(C, sizeof(In),
+                              {x.untyped_data(), dy.untyped_data(), dx->untyped_data()},
+                              [&](auto vec) {
+            constexpr int kVec = decltype(vec)::value;
+            conv_bwd_kernel<In, kW, kVec><<<conv_grid(NB, C, kVec), kConvThreads, 0, stream>>>(
+                data<In>(x), weight.untyped_data(), w_bf16, pos.typed_data(), data<In>(dy),
+                data<In>(*dx), partials->typed_data(), T, C, tokens, *activation == 1);
+            err = cudaGetLastError();
+          });
+        });
+        return cuda_status(err, "conv_bwd_kernel");
+      },
+      FloatType{x.element_type()}));
   sum_partials_kernel<<<ceil_div(C * W, kSumThreads), kSumThreads, 0, stream>>>(
       partials->typed_data(), dweight->typed_data(), C * W, NB);
-  JCG_CHECK_LAUNCH();
+  JCG_CHECK_CUDA(cudaGetLastError());
   return ffi::Error::Success();
 }
-
-#undef JCG_HANDLER_NAME
 
 }  // namespace
 }  // namespace jax_cake_gdn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_conv_fwd, jax_cake_gdn::conv_fwd_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // x
-                                  .Arg<xla::ffi::AnyBuffer>()              // weight
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // pos
-                                  .Attr<int32_t>("activation")
-                                  .Ret<xla::ffi::AnyBuffer>(),  // y
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_conv_bwd, jax_cake_gdn::conv_bwd_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // x
-                                  .Arg<xla::ffi::AnyBuffer>()              // weight
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // pos
-                                  .Arg<xla::ffi::AnyBuffer>()              // dy
-                                  .Attr<int32_t>("activation")
-                                  .Ret<xla::ffi::AnyBuffer>()              // dx
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // dweight
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // partials
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+JCG_FFI_HANDLER(conv_fwd, jax_cake_gdn::conv_fwd)
+JCG_FFI_HANDLER(conv_bwd, jax_cake_gdn::conv_bwd)

@@ -14,7 +14,7 @@
 // straight from registers).
 //
 // Input element types: bf16 (__nv_bfloat16) or f32, selected by template; every accumulation is
-// f32. Host-side dispatch helpers (dtype, head dim) are at the end.
+// f32.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -488,60 +488,6 @@ __device__ __forceinline__ ChunkSpan chunk_span(const int32_t* cstart, const int
     s.start = 0;
   }
   return s;
-}
-
-// ---------------------------------------------------------------- host-side dispatch
-
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// Calls f(TypeTag<bf16>{}) or f(TypeTag<float>{}); false for any other dtype.
-template <typename F>
-inline bool dispatch_float_type(ffi::DataType dt, F&& f) {
-  switch (dt) {
-    case ffi::DataType::BF16:
-      f(TypeTag<bf16>{});
-      return true;
-    case ffi::DataType::F32:
-      f(TypeTag<float>{});
-      return true;
-    default:
-      return false;
-  }
-}
-
-// Head dims the forward kernels are instantiated for (primitives/cuda.py: SUPPORTED_DIMS).
-inline bool head_dim_supported(int64_t d) { return d == 64 || d == 128; }
-
-// Calls f(std::integral_constant<int, D>{}) for D in {64, 128}.
-template <typename F>
-inline bool dispatch_head_dim(int64_t d, F&& f) {
-  if (d == 64) {
-    f(std::integral_constant<int, 64>{});
-    return true;
-  }
-  if (d == 128) {
-    f(std::integral_constant<int, 128>{});
-    return true;
-  }
-  return false;
-}
-
-inline const char* dtype_name(ffi::DataType dt) {
-  switch (dt) {
-    case ffi::DataType::BF16:
-      return "bfloat16";
-    case ffi::DataType::F32:
-      return "float32";
-    case ffi::DataType::F16:
-      return "float16";
-    case ffi::DataType::F64:
-      return "float64";
-    default:
-      return "an unsupported dtype";
-  }
 }
 
 }  // namespace jax_cake_gdn

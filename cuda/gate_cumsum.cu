@@ -10,9 +10,7 @@
 // token order, so the f32 sum is sequential and deterministic. Threads of a block read
 // consecutive heads of the same token row: coalesced. Chunk tables are read on the device only
 // (they may be traced values), so the handler never syncs with the host.
-#include "common.cuh"
-
-#define JCG_HANDLER_NAME "jax_cake_gdn_gate_cumsum"
+#include "handler.cuh"
 
 namespace jax_cake_gdn {
 namespace {
@@ -41,44 +39,22 @@ __global__ void gate_cumsum_kernel(const float* __restrict__ g,
   }
 }
 
-ffi::Error gate_cumsum_impl(cudaStream_t stream, ffi::Buffer<ffi::F32> g,
-                            ffi::Buffer<ffi::S32> chunk_start, ffi::Buffer<ffi::S32> chunk_len,
-                            ffi::ResultBuffer<ffi::F32> out) {
-  const auto gd = g.dimensions();
-  JCG_CHECK_ARG(gd.size() == 2, "g must be f32[T, HV], got shape " + dims_str(gd));
-  JCG_CHECK_ARG(chunk_start.dimensions().size() == 1,
-                "chunk_start must be int32[NC], got shape " + dims_str(chunk_start.dimensions()));
-  JCG_CHECK_ARG(chunk_len.dimensions() == chunk_start.dimensions(),
-                "chunk_len must match chunk_start, got shapes " + dims_str(chunk_len.dimensions()) +
-                    " and " + dims_str(chunk_start.dimensions()));
-  JCG_CHECK_ARG(out->dimensions() == gd, "output must have g's shape " + dims_str(gd) + ", got " +
-                                             dims_str(out->dimensions()));
-  const int64_t num_tokens = gd[0];
-  const int64_t num_heads = gd[1];
-  const int64_t num_chunks = chunk_start.dimensions()[0];
-  JCG_CHECK_ARG(num_heads <= (1 << 20), "HV too large: " + std::to_string(num_heads));
-  JCG_CHECK_ARG(num_chunks < (int64_t{1} << 31), "too many chunks: " + std::to_string(num_chunks));
-
+ffi::Error gate_cumsum(cudaStream_t stream, F32 g, ChunkTable chunks, Ret<F32> out) {
   JCG_CHECK_CUDA(poison(stream, *out));
+  const int64_t num_tokens = g.dimensions()[0], num_heads = g.dimensions()[1];
+  const int64_t num_chunks = chunks.count();
   if (num_tokens == 0 || num_heads == 0 || num_chunks == 0) return ffi::Error::Success();
 
   const int threads = num_heads >= 128 ? 128 : static_cast<int>((num_heads + 31) / 32 * 32);
   const dim3 grid(static_cast<unsigned>(num_chunks), ceil_div(num_heads, threads));
   gate_cumsum_kernel<kChunk><<<grid, threads, 0, stream>>>(
-      g.typed_data(), chunk_start.typed_data(), chunk_len.typed_data(), out->typed_data(),
+      g.typed_data(), chunks.start.typed_data(), chunks.len.typed_data(), out->typed_data(),
       num_tokens, static_cast<int>(num_heads));
-  JCG_CHECK_LAUNCH();
+  JCG_CHECK_CUDA(cudaGetLastError());
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace jax_cake_gdn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_gate_cumsum, jax_cake_gdn::gate_cumsum_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // g
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_start
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // chunk_len
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // G
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+JCG_FFI_HANDLER(gate_cumsum, jax_cake_gdn::gate_cumsum)

@@ -1,122 +1,158 @@
-// Host-side argument checks shared by the handlers (prep.cu, walk_fwd.cu, walk_bwd.cu, ...).
-// Each returns an empty string when the argument is fine, else the message for JCG_CHECK_ARG.
+// What every FFI handler shares on the host: its binding, the dtype / head-dim dispatch, the
+// error tails and the launch helpers.
+//
+// A handler is a function `ffi::Error impl(cudaStream_t, params...)`; JCG_FFI_HANDLER(name, impl)
+// defines the extern "C" symbol jax_cake_gdn_<name> with the binding read from impl's parameter
+// list, so each argument is declared once, there: a buffer (ffi::AnyBuffer, F32, BF16, S32) is
+// one argument, ChunkTable and SegmentTable are their tables' argument groups, a Ret<...> is a
+// result, an ffi::Attr<T, name> an attribute. A failing impl's error gets the target's name.
+// The arguments' shapes and dtypes are checked once, by the Python wrappers
+// (jax_cake_gdn/primitives/cuda.py), before the custom call is built; a handler reads its sizes
+// from the buffers.
 #pragma once
 
-#include <string>
+#include <cuda_bf16.h>
 
-#include "device_common.cuh"
+#include <array>
+#include <cstddef>
+#include <initializer_list>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "common.cuh"
 
 namespace jax_cake_gdn {
 
-inline bool dims_are(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t x : want)
-    if (d[i++] != x) return false;
-  return true;
-}
+using bf16 = __nv_bfloat16;
+using F32 = ffi::Buffer<ffi::F32>;
+using BF16 = ffi::Buffer<ffi::BF16>;
+using S32 = ffi::Buffer<ffi::S32>;
+template <typename T>
+using Ret = ffi::Result<T>;
 
-// q / k [T, H, K] (bf16 or f32) with a supported K.
-inline std::string check_qk(const char* name, const ffi::AnyBuffer& x) {
+inline constexpr char kScale[] = "scale";
+using Scale = ffi::Attr<float, kScale>;
+
+// The chunk table (chunks.py): chunk_start, chunk_len int32[NC].
+struct ChunkTable {
+  S32 start, len;
+  int64_t count() const { return start.dimensions()[0]; }
+};
+
+// The walks' segment table: seg_first, seg_last, seg_len int32[S] (which CTA walks which segment
+// is the handler's own argument: seg_order, transfer_seg, unit_seg).
+struct SegmentTable {
+  S32 first, last, len;
+  int64_t count() const { return len.dimensions()[0]; }
+};
+
+// An absent optional buffer (no L2 norm) is passed as f32[1]. Not f32[0]: a zero-size operand
+// crashes XLA's SPMD partitioner (shardy) in jax 0.11.2 under shard_map.
+inline const float* optional_data(const F32& x) {
   const auto d = x.dimensions();
-  if (d.size() != 3) return std::string(name) + " must be [T, H, K], got shape " + dims_str(d);
-  if (x.element_type() != ffi::DataType::BF16 && x.element_type() != ffi::DataType::F32)
-    return std::string(name) + " must be bfloat16 or float32, got " + dtype_name(x.element_type());
-  if (!head_dim_supported(d[2]))
-    return std::string(name) + ": K = " + std::to_string(d[2]) +
-           " is not supported by the cuda kernels (K must be 64 or 128)";
-  if (d[1] <= 0) return std::string(name) + ": H must be positive";
-  return {};
+  return d.size() == 1 && d[0] == 1 ? nullptr : x.typed_data();
 }
 
-// An f32 per-token array [T, n].
-inline std::string check_th(const char* name, ffi::Span<const int64_t> d, int64_t T, int64_t n) {
-  if (!dims_are(d, {T, n}))
-    return std::string(name) + " must be f32[" + std::to_string(T) + ", " + std::to_string(n) +
-           "], got shape " + dims_str(d);
-  return {};
+template <typename T>
+inline T* data(ffi::AnyBuffer& x) {
+  return static_cast<T*>(x.untyped_data());
+}
+template <typename T>
+inline const T* data(const ffi::AnyBuffer& x) {
+  return static_cast<const T*>(x.untyped_data());
 }
 
-// An absent optional buffer (no L2 norm) is passed as f32[1]. Not f32[0]: a
-// zero-size operand crashes XLA's SPMD partitioner (shardy) in jax 0.11.2 under shard_map.
-inline bool is_absent(ffi::Span<const int64_t> d) { return d.size() == 1 && d[0] == 1; }
+// ---------------------------------------------------------------- error tails
 
-// Optional rstd: f32[T, H], or f32[1] for "no L2 norm". Sets `present`.
-inline std::string check_rstd(const char* name, ffi::Span<const int64_t> d, int64_t T, int64_t H,
-                              bool& present) {
-  present = !is_absent(d);
-  if (present && !dims_are(d, {T, H}))
-    return std::string(name) + " must be f32[" + std::to_string(T) + ", " + std::to_string(H) +
-           "] or f32[1] (no L2 norm), got shape " + dims_str(d);
-  return {};
-}
-
-inline std::string check_table(ffi::Span<const int64_t> start, ffi::Span<const int64_t> len) {
-  if (start.size() != 1) return "chunk_start must be int32[NC], got shape " + dims_str(start);
-  if (len.size() != 1 || len[0] != start[0])
-    return "chunk_len must match chunk_start " + dims_str(start) + ", got " + dims_str(len);
-  if (start[0] >= (int64_t{1} << 31)) return "too many chunks";
-  return {};
-}
-
-// The walks' segment table: seg_first, seg_last, seg_len, seg_order all int32[S], S >= 1
-// (seg_order: the segments in the order the walk starts their CTAs, a permutation of 0..S-1;
-// chunks.py puts the longest first).
-inline std::string check_segments(ffi::Span<const int64_t> first, ffi::Span<const int64_t> last,
-                                  ffi::Span<const int64_t> len, ffi::Span<const int64_t> order) {
-  if (len.size() != 1 || len[0] < 1) return "seg_len must be int32[S], got shape " + dims_str(len);
-  if (!(first == len && last == len && order == len))
-    return "seg_first, seg_last, seg_order must match seg_len " + dims_str(len);
-  return {};
-}
-
-inline std::string check_heads(int64_t H, int64_t HV) {
-  if (HV <= 0 || H <= 0 || HV % H != 0)
-    return "HV = " + std::to_string(HV) + " must be a positive multiple of H = " +
-           std::to_string(H);
-  if (HV >= 65536) return "HV too large: " + std::to_string(HV);
-  return {};
-}
-
-inline std::string check_v(int64_t V) {
-  if (!head_dim_supported(V))
-    return "V = " + std::to_string(V) +
-           " is not supported by the cuda kernels (V must be 64 or 128)";
-  return {};
-}
-
-// q and k: one [T, H, K] shape (check_qk) and one dtype.
-inline std::string check_q_k(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k) {
-  std::string m = check_qk("q", q);
-  if (!m.empty()) return m;
-  if (!(k.dimensions() == q.dimensions()))
-    return "k must have q's shape " + dims_str(q.dimensions()) + ", got " +
-           dims_str(k.dimensions());
-  if (k.element_type() != q.element_type())
-    return std::string("k must have q's dtype ") + dtype_name(q.element_type()) + ", got " +
-           dtype_name(k.element_type());
-  return {};
-}
-
-// A [T, HV, V] input (v, do) of dtype dt, the dtype of the array named ref ("q" or "k"):
-// sets HV and V (V supported).
-inline std::string check_tokens_v(const char* name, const ffi::AnyBuffer& x, const char* ref,
-                                  ffi::DataType dt, int64_t T, int64_t& HV, int64_t& V) {
-  const auto d = x.dimensions();
-  if (!(d.size() == 3 && d[0] == T))
-    return std::string(name) + " must be [T, HV, V], got shape " + dims_str(d);
-  if (x.element_type() != dt)
-    return std::string(name) + " must have " + ref + "'s dtype " + dtype_name(dt) + ", got " +
-           dtype_name(x.element_type());
-  HV = d[1], V = d[2];
-  return check_v(V);
-}
-
-#define JCG_CHECK_MSG(expr)                       \
-  do {                                            \
-    const std::string jcg_msg_ = (expr);          \
-    JCG_CHECK_ARG(jcg_msg_.empty(), jcg_msg_);    \
+// Returns the ffi::Error from the enclosing function if it is a failure.
+#define JCG_RETURN_IF_ERROR(expr)                        \
+  do {                                                   \
+    ::xla::ffi::Error jcg_e_ = (expr);                   \
+    if (jcg_e_.failure()) return jcg_e_;                 \
   } while (0)
+
+inline ffi::Error cuda_status(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + " failed: " + cudaGetErrorString(e));
+}
+
+// Returns Internal(...) from the enclosing function if a CUDA call failed.
+#define JCG_CHECK_CUDA(expr) JCG_RETURN_IF_ERROR(::jax_cake_gdn::cuda_status((expr), #expr))
+
+// A tensor map's encoding ("" or why not, tma.cuh) as an error.
+inline ffi::Error map_status(const std::string& why, const char* map) {
+  if (why.empty()) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(map) + " map: " + why);
+}
+
+#define JCG_CHECK_MAP(expr, map) JCG_RETURN_IF_ERROR(::jax_cake_gdn::map_status((expr), map))
+
+// poison() (common.cuh) of each buffer.
+template <typename... Bufs>
+inline cudaError_t poison_all(cudaStream_t stream, Bufs&... bufs) {
+  cudaError_t e = cudaSuccess;
+  ((e = e == cudaSuccess ? poison(stream, bufs.untyped_data(), bufs.size_bytes()) : e), ...);
+  return e;
+}
+
+// ---------------------------------------------------------------- dispatch
+
+inline const char* dtype_name(ffi::DataType dt) {
+  switch (dt) {
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::F64:
+      return "float64";
+    default:
+      return "an unsupported dtype";
+  }
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// A dispatch choice: calls g with the compile-time value for its run-time one, or fails.
+// FloatType: TypeTag<bf16> / TypeTag<float>; HeadDim: integral_constant<int, 64 / 128> (the head
+// dims the kernels are instantiated for, primitives/cuda.py: SUPPORTED_DIMS).
+struct FloatType {
+  ffi::DataType dt;
+  template <typename G>
+  ffi::Error operator()(G&& g) const {
+    if (dt == ffi::DataType::BF16) return g(TypeTag<bf16>{});
+    if (dt == ffi::DataType::F32) return g(TypeTag<float>{});
+    return ffi::Error::InvalidArgument(std::string("no kernel for ") + dtype_name(dt));
+  }
+};
+
+struct HeadDim {
+  int64_t d;
+  template <typename G>
+  ffi::Error operator()(G&& g) const {
+    if (d == 64) return g(std::integral_constant<int, 64>{});
+    if (d == 128) return g(std::integral_constant<int, 128>{});
+    return ffi::Error::InvalidArgument("no kernel for head dim " + std::to_string(d));
+  }
+};
+
+// f(c...) with each choice's compile-time value (f returns ffi::Error).
+template <typename F>
+inline ffi::Error dispatch(F&& f) {
+  return f();
+}
+template <typename F, typename C, typename... Cs>
+inline ffi::Error dispatch(F&& f, const C& c, const Cs&... cs) {
+  return c([&](auto x) { return dispatch([&](auto... xs) { return f(x, xs...); }, cs...); });
+}
+
+// ---------------------------------------------------------------- launch
 
 // Raise a kernel's dynamic shared-memory limit, then launch it (no host sync, capturable).
 template <typename Kernel, typename... Args>
@@ -165,4 +201,158 @@ inline cudaError_t launch(bool overlap, void (*kernel)(Params...), dim3 grid, in
   return cudaLaunchKernelEx(&cfg, kernel, static_cast<Params>(args)...);
 }
 
+// ---------------------------------------------------------------- binding
+
+namespace binding {
+
+// How one impl parameter binds (kSlots FFI values, in order) and is made from the decoded ones.
+template <typename T>
+struct Param {  // one argument
+  static constexpr size_t kSlots = 1;
+  template <typename B>
+  static auto bind(B&& b) {
+    return std::move(b).template Arg<T>();
+  }
+  template <size_t I, typename Tuple>
+  static T make(Tuple& t) {
+    return std::get<I>(t);
+  }
+};
+
+template <>
+struct Param<cudaStream_t> {
+  static constexpr size_t kSlots = 1;
+  template <typename B>
+  static auto bind(B&& b) {
+    return std::move(b).template Ctx<ffi::PlatformStream<cudaStream_t>>();
+  }
+  template <size_t I, typename Tuple>
+  static cudaStream_t make(Tuple& t) {
+    return std::get<I>(t);
+  }
+};
+
+template <typename T>
+struct Param<ffi::Result<T>> {
+  static constexpr size_t kSlots = 1;
+  template <typename B>
+  static auto bind(B&& b) {
+    return std::move(b).template Ret<T>();
+  }
+  template <size_t I, typename Tuple>
+  static ffi::Result<T> make(Tuple& t) {
+    return std::get<I>(t);
+  }
+};
+
+template <>
+struct Param<ffi::RemainingRets> {  // the results after the named ones
+  static constexpr size_t kSlots = 1;
+  template <typename B>
+  static auto bind(B&& b) {
+    return std::move(b).RemainingRets();
+  }
+  template <size_t I, typename Tuple>
+  static ffi::RemainingRets make(Tuple& t) {
+    return std::get<I>(t);
+  }
+};
+
+template <typename T, const char* kName>
+struct Param<ffi::Attr<T, kName>> {
+  static constexpr size_t kSlots = 1;
+  template <typename B>
+  static auto bind(B&& b) {
+    return std::move(b).template Attr<T>(kName);
+  }
+  template <size_t I, typename Tuple>
+  static ffi::Attr<T, kName> make(Tuple& t) {
+    return std::get<I>(t);
+  }
+};
+
+// A group of kN int32 buffers, made by aggregate initialisation in binding order.
+template <typename Group, size_t kN>
+struct S32Group {
+  static constexpr size_t kSlots = kN;
+  template <typename B>
+  static auto bind(B&& b) {
+    if constexpr (kN == 1) {
+      return std::move(b).template Arg<S32>();
+    } else {
+      return S32Group<Group, kN - 1>::bind(std::move(b).template Arg<S32>());
+    }
+  }
+  template <size_t I, typename Tuple, size_t... J>
+  static Group make_from(Tuple& t, std::index_sequence<J...>) {
+    return Group{std::get<I + J>(t)...};
+  }
+  template <size_t I, typename Tuple>
+  static Group make(Tuple& t) {
+    return make_from<I>(t, std::make_index_sequence<kN>{});
+  }
+};
+
+template <>
+struct Param<ChunkTable> : S32Group<ChunkTable, 2> {};
+template <>
+struct Param<SegmentTable> : S32Group<SegmentTable, 3> {};
+
+// Binding's constructors are private: each step returns a prvalue (no move) into the next.
+template <typename P, typename... Ps, typename B>
+auto append(B&& b) {
+  if constexpr (sizeof...(Ps) == 0) {
+    return Param<P>::bind(std::move(b));
+  } else {
+    return append<Ps...>(Param<P>::bind(std::move(b)));
+  }
+}
+
+// The handler XLA calls: decodes the binding's values, makes impl's parameters from them, calls
+// impl and prefixes a failure with the target's name.
+template <typename... Ps>
+struct Handler {
+  ffi::Error (*impl)(Ps...);
+  const char* name;
+
+  auto binding() const { return append<Ps...>(ffi::Ffi::Bind()); }
+
+  template <typename... Flat>
+  ffi::Error operator()(Flat... flat) const {
+    std::tuple<Flat...> t(flat...);
+    ffi::Error e = call(t, std::index_sequence_for<Ps...>{});
+    if (e.failure()) return ffi::Error(*e.errc(), std::string(name) + ": " + e.message());
+    return e;
+  }
+
+ private:
+  // offsets()[i]: where parameter i's values start among the decoded ones
+  static constexpr std::array<size_t, sizeof...(Ps) + 1> offsets() {
+    constexpr size_t slots[] = {Param<Ps>::kSlots...};
+    std::array<size_t, sizeof...(Ps) + 1> o{};
+    for (size_t j = 0; j < sizeof...(Ps); ++j) o[j + 1] = o[j] + slots[j];
+    return o;
+  }
+  template <typename Tuple, size_t... I>
+  ffi::Error call(Tuple& t, std::index_sequence<I...>) const {
+    return impl(Param<Ps>::template make<offsets()[I]>(t)...);
+  }
+};
+
+template <typename... Ps>
+auto bound(ffi::Error (*impl)(Ps...), const char* name) {
+  const Handler<Ps...> h{impl, name};
+  return h.binding().To(h, {ffi::Traits::kCmdBufferCompatible});
+}
+
+}  // namespace binding
+
 }  // namespace jax_cake_gdn
+
+// The extern "C" handler symbol jax_cake_gdn_<name> of `impl` (listed in bindings/handlers.inc).
+#define JCG_FFI_HANDLER(name, impl)                                                           \
+  extern "C" XLA_FFI_Error* jax_cake_gdn_##name(XLA_FFI_CallFrame* call_frame) {             \
+    static auto* handler =                                                                    \
+        ::jax_cake_gdn::binding::bound(impl, "jax_cake_gdn_" #name).release();                \
+    return handler->Call(call_frame);                                                         \
+  }

@@ -24,8 +24,6 @@ struct Handoff {
   float* zero_dk = nullptr;
 };
 
-inline int64_t handoff_ints(int64_t items) { return 1 + items; }
-
 __device__ __forceinline__ void red_add_release_gpu(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }

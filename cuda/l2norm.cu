@@ -9,9 +9,6 @@
 // rstd: 16-byte loads, K * sizeof / 16 lanes per row where that is 8, 16 or 32 (K = 64, 128), else
 // any K with a warp per row; l2norm_bwd: one warp per row, K in {64, 128}.
 #include "handler.cuh"
-#include "device_common.cuh"
-
-#define JCG_HANDLER_NAME "jax_cake_gdn_l2norm_rstd"
 
 namespace jax_cake_gdn {
 namespace {
@@ -57,40 +54,27 @@ void launch_l2norm_rstd(cudaStream_t stream, const In* x, float* rstd, int64_t r
   l2norm_rstd_kernel<In, kLanes><<<blocks, kL2Threads, 0, stream>>>(x, rstd, rows, K);
 }
 
-ffi::Error l2norm_rstd_impl(cudaStream_t stream, ffi::AnyBuffer x,
-                            ffi::ResultBuffer<ffi::F32> rstd) {
-  const auto d = x.dimensions();
-  JCG_CHECK_ARG(d.size() == 3, "x must be [T, H, K], got shape " + dims_str(d));
-  JCG_CHECK_ARG(x.element_type() == ffi::DataType::BF16 || x.element_type() == ffi::DataType::F32,
-                std::string("x must be bfloat16 or float32, got ") + dtype_name(x.element_type()));
-  JCG_CHECK_ARG(rstd->dimensions().size() == 2 && rstd->dimensions()[0] == d[0] &&
-                    rstd->dimensions()[1] == d[1],
-                "rstd must be f32[T, H], got shape " + dims_str(rstd->dimensions()));
-  JCG_CHECK_ARG(d[2] < (int64_t{1} << 30), "K too large");
-  const int64_t rows = d[0] * d[1];
+ffi::Error l2norm_rstd(cudaStream_t stream, ffi::AnyBuffer x, Ret<F32> rstd) {
   JCG_CHECK_CUDA(poison(stream, *rstd));
+  const auto d = x.dimensions();
+  const int64_t rows = d[0] * d[1];
   if (rows == 0) return ffi::Error::Success();
-  JCG_CHECK_ARG(d[2] > 0, "K must be positive");
-  cudaError_t err = cudaSuccess;
-  dispatch_float_type(x.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
-    const auto* xp = static_cast<const In*>(x.untyped_data());
-    const int K = static_cast<int>(d[2]);
-    const int64_t row_bytes = d[2] * static_cast<int64_t>(sizeof(In));
-    switch (row_bytes % 16 == 0 ? row_bytes / 16 : 0) {  // lanes of 16 bytes per row
-      case 8: launch_l2norm_rstd<In, 8>(stream, xp, rstd->typed_data(), rows, K); break;
-      case 16: launch_l2norm_rstd<In, 16>(stream, xp, rstd->typed_data(), rows, K); break;
-      case 32: launch_l2norm_rstd<In, 32>(stream, xp, rstd->typed_data(), rows, K); break;
-      default: launch_l2norm_rstd<In, 0>(stream, xp, rstd->typed_data(), rows, K);
-    }
-    err = cudaGetLastError();
-  });
-  JCG_CHECK_CUDA(err);
-  return ffi::Error::Success();
+  return dispatch(
+      [&](auto in) {
+        using In = typename decltype(in)::type;
+        const auto* xp = data<In>(x);
+        const int K = static_cast<int>(d[2]);
+        const int64_t row_bytes = d[2] * static_cast<int64_t>(sizeof(In));
+        switch (row_bytes % 16 == 0 ? row_bytes / 16 : 0) {  // lanes of 16 bytes per row
+          case 8: launch_l2norm_rstd<In, 8>(stream, xp, rstd->typed_data(), rows, K); break;
+          case 16: launch_l2norm_rstd<In, 16>(stream, xp, rstd->typed_data(), rows, K); break;
+          case 32: launch_l2norm_rstd<In, 32>(stream, xp, rstd->typed_data(), rows, K); break;
+          default: launch_l2norm_rstd<In, 0>(stream, xp, rstd->typed_data(), rows, K);
+        }
+        return cuda_status(cudaGetLastError(), "l2norm_rstd_kernel");
+      },
+      FloatType{x.element_type()});
 }
-
-#undef JCG_HANDLER_NAME
-#define JCG_HANDLER_NAME "jax_cake_gdn_l2norm_bwd"
 
 // Row (t, h): lane l holds elements l + 32 i, i < K / 32 (coalesced 128-byte accesses).
 template <typename In, int K>
@@ -131,64 +115,27 @@ __global__ void __launch_bounds__(kL2Threads)
   for (int i = 0; i < E; ++i) out[32 * i] = static_cast<In>(d[i]);
 }
 
-ffi::Error l2norm_bwd_impl(cudaStream_t stream, ffi::Buffer<ffi::F32> dy, ffi::AnyBuffer x,
-                           ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx) {
-  const auto xd = x.dimensions();
-  JCG_CHECK_ARG(xd.size() == 3, "x must be [T, H, K], got shape " + dims_str(xd));
-  JCG_CHECK_ARG(x.element_type() == ffi::DataType::BF16 || x.element_type() == ffi::DataType::F32,
-                std::string("x must be bfloat16 or float32, got ") + dtype_name(x.element_type()));
-  const int64_t T = xd[0], H = xd[1], K = xd[2];
-  JCG_CHECK_ARG(head_dim_supported(K), "K must be 64 or 128, got " + std::to_string(K));
-  const auto dd = dy.dimensions();
-  JCG_CHECK_ARG(dd.size() == 3 && dd[0] == T && dd[2] == K,
-                "dy must be f32[T, HV, K] with T = " + std::to_string(T) + ", K = " +
-                    std::to_string(K) + ", got shape " + dims_str(dd));
-  const int64_t HV = dd[1];
-  JCG_CHECK_MSG(check_heads(H, HV));
-  bool has_rstd = false;
-  JCG_CHECK_MSG(check_rstd("rstd", rstd.dimensions(), T, H, has_rstd));
-  JCG_CHECK_ARG(dx->element_type() == x.element_type() && dims_are(dx->dimensions(), {T, H, K}),
-                "dx must have x's dtype and shape [T, H, K], got " +
-                    std::string(dtype_name(dx->element_type())) + " " +
-                    dims_str(dx->dimensions()));
+ffi::Error l2norm_bwd(cudaStream_t stream, F32 dy, ffi::AnyBuffer x, F32 rstd,
+                      Ret<ffi::AnyBuffer> dx) {
   JCG_CHECK_CUDA(poison(stream, *dx));
+  const auto xd = x.dimensions();
+  const int64_t T = xd[0], H = xd[1], K = xd[2], HV = dy.dimensions()[1];
   const int64_t rows = T * H;
   if (rows == 0) return ffi::Error::Success();
-  JCG_CHECK_ARG(rows / (kL2Threads / 32) < (int64_t{1} << 31), "T * H too large");
-  cudaError_t err = cudaSuccess;
-  dispatch_float_type(x.element_type(), [&](auto tag) {
-    using In = typename decltype(tag)::type;
-    dispatch_head_dim(K, [&](auto kdim) {
-      constexpr int KD = decltype(kdim)::value;
-      l2norm_bwd_kernel<In, KD><<<ceil_div(rows, kL2Threads / 32), kL2Threads, 0, stream>>>(
-          dy.typed_data(), static_cast<const In*>(x.untyped_data()),
-          has_rstd ? rstd.typed_data() : static_cast<const float*>(nullptr),
-          static_cast<In*>(dx->untyped_data()), rows, static_cast<int>(H),
-          static_cast<int>(HV / H));
-      err = cudaGetLastError();
-    });
-  });
-  JCG_CHECK_CUDA(err);
-  return ffi::Error::Success();
+  return dispatch(
+      [&](auto in, auto kd) {
+        using In = typename decltype(in)::type;
+        constexpr int KD = decltype(kd)::value;
+        l2norm_bwd_kernel<In, KD><<<ceil_div(rows, kL2Threads / 32), kL2Threads, 0, stream>>>(
+            dy.typed_data(), data<In>(x), optional_data(rstd), data<In>(*dx), rows,
+            static_cast<int>(H), static_cast<int>(HV / H));
+        return cuda_status(cudaGetLastError(), "l2norm_bwd_kernel");
+      },
+      FloatType{x.element_type()}, HeadDim{K});
 }
-
-#undef JCG_HANDLER_NAME
 
 }  // namespace
 }  // namespace jax_cake_gdn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_l2norm_rstd, jax_cake_gdn::l2norm_rstd_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()               // x
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // rstd
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_l2norm_bwd, jax_cake_gdn::l2norm_bwd_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // dy
-                                  .Arg<xla::ffi::AnyBuffer>()              // x
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // rstd
-                                  .Ret<xla::ffi::AnyBuffer>(),             // dx
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+JCG_FFI_HANDLER(l2norm_rstd, jax_cake_gdn::l2norm_rstd)
+JCG_FFI_HANDLER(l2norm_bwd, jax_cake_gdn::l2norm_bwd)

@@ -6,9 +6,7 @@
 // ok is read on the device (it is computed from traced cu_seqlens), so the handler never syncs
 // with the host. When ok != 0 each CTA reads one int and exits: the check costs a launch, not
 // the pass over x that `where` costs (x is the op's whole output).
-#include "common.cuh"
-
-#define JCG_HANDLER_NAME "jax_cake_gdn_nan_unless"
+#include "handler.cuh"
 
 namespace jax_cake_gdn {
 namespace {
@@ -29,16 +27,7 @@ __global__ void __launch_bounds__(kFillThreads)
   for (int64_t i = 16 * words + first; i < bytes; i += stride) x[i] = 0xFF;
 }
 
-ffi::Error nan_unless_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ok,
-                           ffi::Result<ffi::AnyBuffer> out) {
-  const ffi::DataType t = x.element_type();
-  JCG_CHECK_ARG(t == ffi::DataType::BF16 || t == ffi::DataType::F16 || t == ffi::DataType::F32 ||
-                    t == ffi::DataType::F64,
-                "x must be bf16, f16, f32 or f64 (all bytes 0xFF is a NaN in each)");
-  JCG_CHECK_ARG(ok.dimensions().size() == 0,
-                "ok must be an int32 scalar, got shape " + dims_str(ok.dimensions()));
-  JCG_CHECK_ARG(out->element_type() == x.element_type() && out->dimensions() == x.dimensions(),
-                "output must have x's type and shape " + dims_str(x.dimensions()));
+ffi::Error nan_unless(cudaStream_t stream, ffi::AnyBuffer x, S32 ok, Ret<ffi::AnyBuffer> out) {
   const int64_t bytes = static_cast<int64_t>(x.size_bytes());
   if (out->untyped_data() != x.untyped_data())  // aliased by the caller; copy if XLA did not
     JCG_CHECK_CUDA(cudaMemcpyAsync(out->untyped_data(), x.untyped_data(), bytes,
@@ -46,17 +35,11 @@ ffi::Error nan_unless_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
   if (bytes == 0) return ffi::Error::Success();
   nan_unless_kernel<<<kFillBlocks, kFillThreads, 0, stream>>>(
       static_cast<unsigned char*>(out->untyped_data()), bytes, ok.typed_data());
-  JCG_CHECK_LAUNCH();
+  JCG_CHECK_CUDA(cudaGetLastError());
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace jax_cake_gdn
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jax_cake_gdn_nan_unless, jax_cake_gdn::nan_unless_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // x
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // ok
-                                  .Ret<xla::ffi::AnyBuffer>(),             // x or NaN
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+JCG_FFI_HANDLER(nan_unless, jax_cake_gdn::nan_unless)

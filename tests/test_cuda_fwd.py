@@ -3,15 +3,16 @@
 
 CPU host: `gdn(..., backend="cuda")` lowers for the cuda platform to the forward custom calls with
 no while loop of its own (solve_a and the fused walk_output, never prep or state_walk; full mode
-under differentiation: walk_output_tapes, whose h tape is bf16); unsupported
-head dims raise ValueError naming K or V (backend="cuda") or fall back to xla (backend=None);
-wrappers reject bad inputs by name.
+under differentiation: walk_output_tapes, whose h tape is bf16); unsupported head dims raise
+ValueError naming K or V (backend="cuda") or fall back to xla (backend=None); wrappers reject
+bad inputs by name, and sizes past the kernels' int32 limits.
 GPU host: each cuda primitive against its xla twin on the same inputs (prep's A within 2e-3; the
-cuda state walk's h tape is bf16 and is compared after casting), the replay kernel (w, u made from A on chip, the light backward's) bitwise
-equal to state_walk on prep's w, u (w too: prep's w, u are what the replay makes), the walks'
-values independent of their CTA order (seg_order), solve_a's A bitwise equal to prep's, the
-fused walk_output (w, u made from A on chip) against the separate cuda state_walk on prep's w, u
-(the final state bitwise equal), and `gdn(backend="cuda")` against the float64 reference (relative RMS <= 1e-2), on uneven
+cuda state walk's h tape is bf16 and is compared after casting), the replay kernel (w, u made
+from A on chip, the light backward's) bitwise equal to state_walk on prep's w, u (w too: prep's
+w, u are what the replay makes), the walks' values independent of their CTA order (seg_order),
+solve_a's A bitwise equal to prep's, the fused walk_output (w, u made from A on chip) against
+the separate cuda state_walk on prep's w, u (the final state bitwise equal), and
+`gdn(backend="cuda")` against the float64 reference (relative RMS <= 1e-2), on uneven
 documents (1, 63, 64, 65, 1000 tokens, empty documents, unused chunk capacity; and 1, 12288, 65,
 1000), GVA (16, 48) and (2, 6), L2 norm on and off, initial state on
 and off, bf16 and f32 inputs, K = V = 128 and 64; the same under JAX_CAKE_GDN_POISON=1
@@ -366,6 +367,50 @@ def test_bad_inputs_raise_value_error():
         walk_output(h0=h0[:2])
     with pytest.raises(ValueError, match="rstd_q"):
         walk_output(rq=jnp.zeros((T, H + 1), jnp.float32))
+
+
+
+def test_wrappers_check_the_limits_the_handlers_rely_on():
+    """The handlers trust their arguments (cuda/handler.cuh): the wrappers check, at trace time,
+    the positive head counts and the int32 sizes the kernels index with, as well as shapes."""
+    sds = jax.ShapeDtypeStruct
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+    one = jnp.zeros((1,), i32)
+
+    def raises(msg, f, *args):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            jax.eval_shape(f, *args)
+
+    raises("solve_a: HV = 65536 must be below 65536",
+           lambda k, b: cuda.solve_a(k, b, b, None, one, one),
+           sds((64, 1, 64), bf), sds((64, 65536), f32))
+    raises("l2norm_bwd: H = 0 and HV = 6 must be positive",
+           lambda dy, x: cuda.l2norm_bwd(dy, x, None), sds((8, 6, 64), f32), sds((8, 0, 64), bf))
+    raises("l2norm_rstd: K must be positive", cuda.l2norm_rstd, sds((8, 2, 0), bf))
+    raises("gate_cumsum: HV = 1048577 must be at most 2^20",
+           lambda g: cuda.gate_cumsum(g, one, one), sds((1, 2**20 + 1), f32))
+    raises("gate_cumsum: NC = 2147483648 must be below 2^31",
+           lambda cs: cuda.gate_cumsum(jnp.zeros((1, 1)), cs, cs), sds((2**31,), i32))
+    raises("conv_fwd: C = 2097121 must be at most 65535 * 32",
+           lambda x: cuda.conv_fwd(x, jnp.zeros((x.shape[1], 4)), jnp.zeros((1,), i32)),
+           sds((1, 65535 * 32 + 1), bf))
+    T, H, HV, K = 64, 1, 2, 64
+    k, v, th = sds((T, H, K), bf), sds((T, HV, K), bf), sds((T, HV), f32)
+    A, h0, none = sds((1, HV, 64, 64), bf), sds((1, HV, K, K), f32), jnp.zeros((0,), i32)
+    raises("replay: seg_len must have at least one entry",
+           lambda k, v, b, A: cuda.replay(k, v, b, A, b, jnp.zeros((0, HV, K, K)), None, one,
+                                          one, none, none, none, none), k, v, th, A)
+    raises("transfer: b_seg must have at least one entry",
+           lambda k, v, b, A, h0: cuda.transfer(k, v, b, A, b, h0, None, one, one, one, one, one,
+                                                none, none), k, v, th, A, h0)
+    raises("transfer_bwd: unit_seg must have at least one entry",
+           lambda q, w, b, do, df: cuda.transfer_bwd(q, q, w, b, do, df, None, None, one, one, one,
+                                                     one, one, none, scale=1.0),
+           k, sds((T, HV, K), bf), th, v, h0)
+    raises("walk_bwd: S * HV * V / 64 = 2147483648 must be below 2^31",
+           lambda q, w, b, do, df, s: cuda.walk_bwd(q, q, w, b, do, df, None, None, one, one, s,
+                                                    s, s, s, scale=1.0),
+           k, sds((T, HV, K), bf), th, v, sds((2**30, HV, K, K), f32), sds((2**30,), i32))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ why, and the first request for the cuda backend (`require()`) warns once. Handle
 with XLA (platform "CUDA") once, on first use; lowering for the cuda platform works on a CPU-only
 host too, running needs an sm_90 GPU.
 
-Every wrapper builds its result types from its inputs (`_result`), so that under `jax.shard_map`
+Every wrapper checks its arguments (ValueError naming the argument, at trace time): the handlers in
+cuda/ read their sizes from the buffers and check nothing again. Every wrapper builds its result
+types from its inputs (`_result`), so that under `jax.shard_map`
 the results carry the union of the inputs' varying manual axes (vma); without that, gradients
 under shard_map are silently wrong (DESIGN.md section 2).
 """
@@ -183,6 +185,12 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def _below_2_31(fn: str, *sizes) -> None:
+    """(what, n) pairs: sizes the kernels index with int32 (grids, tensor-map rows) < 2^31."""
+    for what, n in sizes:
+        _check(int(n) < 2**31, f"{fn}: {what} = {n} must be below 2^31")
+
+
 # ------------------------------------------------------------------------------------------------
 # Wrappers: one per FFI target (per-shard primitives; no custom_vjp here)
 # ------------------------------------------------------------------------------------------------
@@ -207,6 +215,8 @@ def gate_cumsum(g, chunk_start, chunk_len):
         chunk_start.shape == chunk_len.shape,
         f"gate_cumsum: chunk_start {chunk_start.shape} and chunk_len {chunk_len.shape} differ",
     )
+    _check(g.shape[1] <= 1 << 20, f"gate_cumsum: HV = {g.shape[1]} must be at most 2^20")
+    _below_2_31("gate_cumsum", ("NC", chunk_start.shape[0]))
     return _call("gate_cumsum", [(g.shape, jnp.float32)], g, chunk_start, chunk_len)[0]
 
 
@@ -314,12 +324,15 @@ def _rstd(fn: str, name: str, r, T: int, H: int):
 
 
 def _heads(fn: str, H: int, HV: int) -> None:
+    _check(H > 0 and HV > 0, f"{fn}: H = {H} and HV = {HV} must be positive")
     _check(HV % H == 0, f"{fn}: HV = {HV} must be a multiple of H = {H}")
+    _check(HV < 65536, f"{fn}: HV = {HV} must be below 65536")
 
 
 def _table(fn: str, chunk_start, chunk_len):
     cs = _i32(fn, "chunk_start", chunk_start)
     cl = _i32(fn, "chunk_len", chunk_len, cs.shape[0])
+    _below_2_31(fn, ("NC", cs.shape[0]))
     return cs, cl
 
 
@@ -329,13 +342,18 @@ def _segments(fn: str, seg_first, seg_last, seg_len, seg_order):
     leaves out is not walked)."""
     sl = _i32(fn, "seg_len", seg_len)
     S = sl.shape[0]
+    _check(S >= 1, f"{fn}: seg_len must have at least one entry")
     return (_i32(fn, "seg_first", seg_first, S), _i32(fn, "seg_last", seg_last, S), sl,
             _i32(fn, "seg_order", seg_order, S))
+
 
 
 def l2norm_rstd(x):
     """x [T, H, K] (bf16/f32) -> 1 / sqrt(sum x^2 + 1e-6), float32 [T, H]. Any K."""
     x = _qkv("l2norm_rstd", "x", x)
+    T, H, K = x.shape
+    _check(K < 1 << 30, f"l2norm_rstd: K = {K} must be below 2^30")
+    _check(K > 0 or T * H == 0, "l2norm_rstd: K must be positive")
     return _call("l2norm_rstd", [(x.shape[:2], jnp.float32)], x)[0]
 
 
@@ -354,6 +372,7 @@ def l2norm_bwd(dy, x, rstd):
     _check(dy.ndim == 3 and dy.shape[0] == T and dy.shape[2] == K,
            f"{fn}: dy must be float32 [T, HV, K] with T = {T}, K = {K}, got {dy.shape}")
     _heads(fn, H, dy.shape[1])
+    _below_2_31(fn, ("T * H / 8", T * H // 8))
     dy = _f32(fn, "dy", dy, dy.shape)
     r = _rstd(fn, "rstd", rstd, T, H)
     return _call(fn, [(x.shape, x.dtype)], dy, x, r)[0]
@@ -400,6 +419,7 @@ def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
     T, _, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     NC = cs.shape[0]
+    _below_2_31(fn, ("NC * HV", NC * HV))
     A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((T, HV, K), jnp.bfloat16),
                          ((T, HV, V), jnp.bfloat16)], k, v, beta, G, r, cs, cl)
     return A, w, u
@@ -423,6 +443,7 @@ def solve_a(k, beta, G, rstd_k, chunk_start, chunk_len):
     r = _rstd(fn, "rstd_k", rstd_k, T, H)
     cs, cl = _table(fn, chunk_start, chunk_len)
     NC = cs.shape[0]
+    _below_2_31(fn, ("NC * HV", NC * HV))
     return _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16)], k, beta, G, r, cs, cl)[0]
 
 
@@ -440,6 +461,7 @@ def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, se
     cs, cl = _table(fn, chunk_start, chunk_len)
     sf, sla, sl, so = _segments(fn, seg_first, seg_last, seg_len, seg_order)
     h0 = _f32(fn, "h0", h0, (sl.shape[0], HV, K, V))
+    _below_2_31(fn, ("T", T), ("S * HV", sl.shape[0] * HV))
     return w, u, G, h0, cs, cl, sf, sla, sl, so
 
 
@@ -476,7 +498,9 @@ def _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len, seg_first, 
     cs, cl = _table(fn, chunk_start, chunk_len)
     A = _bf16(fn, "A", A, (cs.shape[0], HV, _CHUNK, _CHUNK), _A_FROM)
     seg = _segments(fn, seg_first, seg_last, seg_len, seg_order)
-    h0 = _f32(fn, "h0", h0, (seg[0].shape[0], HV, K, V))
+    S = seg[0].shape[0]
+    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
+    _below_2_31(fn, ("T", k.shape[0]), ("S * HV", S * HV), ("NC * HV * 64", cs.shape[0] * HV * 64))
     return v, beta, A, G, h0, (cs, cl) + seg
 
 
@@ -560,6 +584,7 @@ def walk_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg
         fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
         seg_len, seg_order)
     (T, H, K), (HV, V), NC, S = q.shape, do.shape[1:], tab[0].shape[0], dfinal.shape[0]
+    _below_2_31(fn, ("NC * HV * K", NC * HV * K))
     dS_end, dh0, dvn = _call(
         fn, _walk_bwd_results(NC, S, HV, K, V), q, k, w, G, do, dfinal, rq, rk, *tab,
         scale=np.float32(scale))
@@ -585,6 +610,7 @@ def _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, ch
     dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
+    _below_2_31(fn, ("S * HV * V / 64", S * HV * (V // 64)))
     return q, k, w, G, do, dfinal, rq, rk, tab
 
 
@@ -657,6 +683,7 @@ def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chu
     v_new = _bf16(fn, "v_new", v_new, (T, HV, V), _VNEW_FROM)
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     rk = _rstd(fn, "rstd_k", rstd_k, T, H)
+    _below_2_31(fn, ("NC * HV * K", NC * HV * K))
     return q, k, v, beta, G, A, h, v_new, do, rq, rk, (cs, cl)
 
 
@@ -710,6 +737,9 @@ def transfer(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first, se
     b_seg = _i32(fn, "b_seg", b_seg)
     U = b_seg.shape[0]
     m_seg = _i32(fn, "m_seg", m_seg, U)
+    _check(U >= 1, f"{fn}: b_seg must have at least one entry")
+    _below_2_31(fn, ("T", T), ("S * HV", S * HV), ("NC * HV * 64", cs.shape[0] * HV * _CHUNK),
+                ("2 U * HV", 2 * U * HV))
     r = _rstd(fn, "rstd_k", rstd_k, T, H)
     B, M = _call(fn, [((U, HV, K, V), jnp.float32), ((U, HV, K, K), jnp.float32)],
                  k, v, beta, A, G, h0, r, cs, cl, sf, sla, sl, jnp.concatenate([b_seg, m_seg]))
@@ -728,6 +758,9 @@ def transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len,
         seg_len, seg_len)
     HV, K, V = do.shape[1], q.shape[2], do.shape[2]
     unit_seg = _i32(fn, "unit_seg", unit_seg)
+    U = unit_seg.shape[0]
+    _check(U >= 1, f"{fn}: unit_seg must have at least one entry")
+    _below_2_31(fn, ("U * HV * V / 64", U * HV * (V // 64)))
     (dh0,) = _call(fn, [((unit_seg.shape[0], HV, K, V), jnp.float32)], q, k, w, G, do, dfinal,
                    rq, rk, *tab[:5], unit_seg, scale=np.float32(scale))
     return dh0
@@ -779,12 +812,14 @@ def _conv_args(fn: str, x, weight, pos, activation):
     pos = _i32(fn, "pos", pos, T)
     _check(activation in ("silu", None),
            f"{fn}: activation must be 'silu' or None, got {activation!r}")
+    _check(C <= 65535 * 32, f"{fn}: C = {C} must be at most 65535 * 32")
     return x, weight, pos, np.int32(activation == "silu")
 
 
 def conv_fwd(x, weight, pos, *, activation="silu"):
     """y = act(causal depthwise conv of x per document) [T, C] in x's dtype (f32 arithmetic)."""
     x, weight, pos, act = _conv_args("conv_fwd", x, weight, pos, activation)
+    _below_2_31("conv_fwd", ("T / 64 + 1", x.shape[0] // 64 + 1))  # its CTAs
     return _call("conv_fwd", [(x.shape, x.dtype)], x, weight, pos, activation=act)[0]
 
 
