@@ -43,28 +43,67 @@ def concrete(x):
         return None
 
 
-def check_cu_seqlens(cu_seqlens, B, T, *, name="cu_seqlens"):
-    """Validate cu_seqlens; returns the number of documents (capacity) N."""
+def check_cu_seqlens(cu_seqlens, B, T, *, name="cu_seqlens", per_row: bool = False):
+    """Validate document bounds over T tokens: [N + 1] (then B == 1) or, with per_row, also
+    [B, N + 1] (row b's bounds over its own T tokens). Returns the documents per row N."""
     _array(name, cu_seqlens)
-    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"{name} must be 1-D with at least 2 entries [N + 1], "
-                         f"got shape {tuple(cu_seqlens.shape)}")
+    ndim = cu_seqlens.ndim
+    if ndim not in ((1, 2) if per_row else (1,)) or cu_seqlens.shape[-1] < 2:
+        form = "[N + 1] (B == 1) or per-row [B, N + 1]" if per_row else "1-D [N + 1]"
+        raise ValueError(f"{name} must be {form} with N >= 1, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
     if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array (int32), got {cu_seqlens.dtype}")
-    if B != 1:
-        raise ValueError(f"{name} needs a packed batch (B == 1), got B = {B}")
+    if ndim == 1 and B != 1:
+        raise ValueError(f"{name} [N + 1] needs a packed batch (B == 1), got B = {B}"
+                         + ("; give per-row bounds [B, N + 1] for several rows" if per_row
+                            else ""))
+    if ndim == 2 and cu_seqlens.shape[0] != B:
+        raise ValueError(f"{name} [B, N + 1] must have a row per batch row B = {B}, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
     cu = concrete(cu_seqlens)
     if cu is not None:
-        if cu[0] != 0:
-            raise ValueError(f"{name} must start at 0, got {cu[0]}")
-        if np.any(np.diff(cu) < 0):
-            raise ValueError(f"{name} must be non-decreasing, got {cu.tolist()}")
-        if cu[-1] != T:
-            raise ValueError(f"{name}[-1] must equal the token count T = {T}, got {cu[-1]}")
-    return cu_seqlens.shape[0] - 1
+        for r, row in enumerate(cu.reshape(-1, cu.shape[-1])):
+            at = name if ndim == 1 else f"{name}[{r}]"
+            if row[0] != 0:
+                raise ValueError(f"{at} must start at 0, got {row[0]}")
+            if np.any(np.diff(row) < 0):
+                raise ValueError(f"{at} must be non-decreasing, got {row.tolist()}")
+            if row[-1] != T:
+                raise ValueError(f"{at}[-1] must equal the token count T = {T}, got {row[-1]}")
+    return cu_seqlens.shape[-1] - 1
 
 
-def check_gdn_inputs(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, save_mode) -> Dims:
+def check_arrays(op: str, **named) -> None:
+    """TypeError for a jax.ShapeDtypeStruct where `op` computes on values."""
+    for name, x in named.items():
+        if isinstance(x, jax.ShapeDtypeStruct):
+            raise TypeError(f"{op} computes on arrays, but {name} is a jax.ShapeDtypeStruct; for "
+                            f"shapes alone use jax.eval_shape({op}, ...) (and saved_layout for "
+                            f"the residuals)")
+
+
+def check_scale(scale) -> None:
+    """scale: None or a concrete positive finite real (Python or NumPy scalar, 0-d array)."""
+    if scale is None:
+        return
+    value = concrete(scale)
+    if value is None:
+        raise TypeError("scale must be a concrete number: it is a static parameter of the "
+                        f"kernels, got a traced value {scale!r}; o is linear in scale, so "
+                        "multiply o by a traced factor instead")
+    if (value.ndim != 0 or value.dtype == bool or not np.issubdtype(value.dtype, np.number)
+            or np.iscomplexobj(value)):
+        raise TypeError(f"scale must be a real number or None, got {scale!r}")
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"scale must be positive and finite, got {scale!r}")
+
+
+def check_gdn_inputs(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, save_mode,
+                     per_row: bool = False) -> Dims:
+    """Dims of valid gdn arguments (N: documents per row); ValueError / TypeError naming the
+    argument otherwise. per_row: cu_seqlens may also be [B, N + 1] (then initial_state is
+    [B, N, HV, K, V])."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         _array(name, x)
     _rank("q", q, 4, "[B, T, H, K]")
@@ -95,16 +134,17 @@ def check_gdn_inputs(q, k, v, g, beta, *, cu_seqlens, scale, initial_state, save
     for name, x in (("g", g), ("beta", beta)):
         if x.dtype != jnp.float32:
             raise TypeError(f"{name} must be float32, got {x.dtype}")
-    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T)
+    N = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, B, T, per_row=per_row)
     if initial_state is not None:
         _array("initial_state", initial_state)
-        if initial_state.shape != (N, HV, K, V):
-            raise ValueError(f"initial_state must have shape [N, HV, K, V] = {(N, HV, K, V)}, "
+        rows = (B, N) if cu_seqlens is not None and cu_seqlens.ndim == 2 else (N,)
+        if tuple(initial_state.shape) != rows + (HV, K, V):
+            form = "[B, N, HV, K, V]" if len(rows) == 2 else "[N, HV, K, V]"
+            raise ValueError(f"initial_state must have shape {form} = {rows + (HV, K, V)}, "
                              f"got {tuple(initial_state.shape)}")
         if initial_state.dtype != jnp.float32:
             raise TypeError(f"initial_state must be float32, got {initial_state.dtype}")
-    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
-        raise ValueError(f"scale must be a positive number or None, got {scale!r}")
+    check_scale(scale)
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     return Dims(B, T, H, HV, K, V, N)
@@ -141,12 +181,12 @@ def check_gate_options(g, beta, *, use_gate_in_kernel: bool, A_log, dt_bias,
 
 def bounds_ok(cu_seqlens, T, multiple: int = 1):
     """None for concrete cu_seqlens (check_cu_seqlens has checked them); for traced ones, a bool
-    scalar: they keep the rules checked there (start 0, non-decreasing, last == T, lengths
-    multiples of `multiple`). gdn poisons its output and its gradients with NaN where this is
-    False (never silently wrong; gdn.bounds_guard)."""
+    scalar: every row ([N + 1] or [B, N + 1]) keeps the rules checked there (start 0,
+    non-decreasing, last == T, lengths multiples of `multiple`). The ops poison their outputs
+    and gradients with NaN where this is False (never silently wrong; guards.py)."""
     if concrete(cu_seqlens) is not None:
         return None
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    lengths = cu[1:] - cu[:-1]
-    return ((cu[0] == 0) & (cu[-1] == T) & jnp.all(lengths >= 0)
+    lengths = cu[..., 1:] - cu[..., :-1]
+    return (jnp.all(cu[..., 0] == 0) & jnp.all(cu[..., -1] == T) & jnp.all(lengths >= 0)
             & jnp.all(lengths % multiple == 0))
