@@ -1,50 +1,93 @@
-"""gdn(): the public op on one device: argument checks, the segment plan, then core.gdn_op."""
+"""gdn(): the public op: argument checks, then on each device's block (sharding.py) the segment
+plan and core.gdn_op."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import primitives
-from .checks import check_gdn_inputs, concrete
+from . import primitives, sharding, vma
+from .checks import bounds_ok, check_arrays, check_gdn_inputs, concrete
 from .core import Config, LocalMerge, forward, gdn_op
 from .gates import GATE_OPTIONS, apply_options, saved_layout_gates
-from .guards import bounds_guard
+from .guards import cuda_only, floor_decay, nan_guard
 from .plan import plan_segments
+from .rows import packed_bounds
 from .segments import doc_segments
 
 __all__ = ["gdn", "saved_layout", "saved_bytes"]
 
-
 def _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state, save_mode, backend,
-           segments=None):
-    """Checks, the config, the plan (P units) and the host-side arguments."""
+           deterministic=False):
+    """Checks, the config and the number of non-empty documents the plan assumes."""
     d = check_gdn_inputs(q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
-                         initial_state=initial_state, save_mode=save_mode)
+                         initial_state=initial_state, save_mode=save_mode, per_row=True)
     prims = primitives.resolve(backend, K=d.K, V=d.V)
-    cfg = Config(prims, float(d.K**-0.5 if scale is None else scale), bool(qk_l2norm), save_mode)
+    cfg = Config(prims, float(d.K**-0.5 if scale is None else np.asarray(scale)),
+                 bool(qk_l2norm), save_mode, bool(deterministic))
+    cu = None if cu_seqlens is None else concrete(cu_seqlens)
     if cu_seqlens is None:
-        bounds = np.arange(d.B + 1, dtype=np.int32) * d.T
+        docs = d.B
+    elif cu is None:
+        docs = d.N * (d.B if cu_seqlens.ndim == 2 else 1)
     else:
-        bounds = cu_seqlens
-    cu = concrete(bounds)
-    docs = d.N if cu is None else max(1, int(np.count_nonzero(np.diff(cu))))
-    if segments is None and prims.name != "cuda":  # segments pay on the GPU's SMs only
+        docs = max(1, int(np.count_nonzero(np.diff(cu, axis=-1))))
+    return d, cfg, docs
+
+
+def _packed(cfg: Config, segments, docs_per_row: float, q, k, v, g, beta, h0, cu):
+    """One device's arrays -> (P, the packed op's arguments q, k, v, g, beta, h0, bounds).
+
+    B rows of T tokens become one packed axis (rows.py), initial states [B, N, ...] one per
+    packed document [B * N, ...]. Traceable; P is static (the plan, from this device's shapes)."""
+    B, T = q.shape[:2]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    bounds, N = packed_bounds(cu, B, T)
+    if segments is None and cfg.prims.name != "cuda":  # segments pay on the GPU's SMs only
         segments = 1
-    P = plan_segments(d.B * d.T, d.HV, docs, segments=segments).P
-    if initial_state is None:
-        h0 = jax.ShapeDtypeStruct((d.N, d.HV, d.K, d.V), jnp.float32)
-    else:
-        h0 = initial_state
-    return d, cfg, P, (q, k, v, g, beta, h0, bounds)
+    P = plan_segments(B * T, HV, max(1, round(docs_per_row * B)), segments=segments).P
+    like = (q, k, v, g, beta) + (() if h0 is None else (h0,))
+    h0 = vma.zeros((N, HV, K, V), jnp.float32, *like) if h0 is None else h0.reshape(N, HV, K, V)
+    axes = vma.union(*like)  # one type for all: the backward's cotangents carry every axis
+    pack = lambda x: vma.cast(x.reshape((B * T,) + x.shape[2:]), axes)
+    if cfg.prims.name == "cuda":
+        bounds = cuda_only(bounds)
+    return P, (pack(q), pack(k), pack(v), pack(g), pack(beta), vma.cast(h0, axes),
+               doc_segments(bounds, B * T, P))
 
 
-def _packed_args(d, P, q, k, v, g, beta, h0, bounds):
-    """Flatten B into the token axis and build the segment table (traceable)."""
-    pack = lambda x: jnp.asarray(x).reshape((d.B * d.T,) + x.shape[2:])
-    h0 = jnp.zeros(h0.shape, h0.dtype) if isinstance(h0, jax.ShapeDtypeStruct) else jnp.asarray(h0)
-    return pack(q), pack(k), pack(v), pack(g), pack(beta), h0, doc_segments(bounds, d.B * d.T, P)
+def _local(cfg: Config, segments, docs_per_row: float, guard: bool, args: dict):
+    """(o, final) of gdn on one device's block (sharding.call): args holds q, k, v, g, beta and
+    optionally initial_state and cu_seqlens."""
+    q, v, cu = args["q"], args["v"], args.get("cu_seqlens")
+    B, T = q.shape[:2]
+    h0 = args.get("initial_state")
+    P, packed = _packed(cfg, segments, docs_per_row,
+                        *(args[n] for n in ("q", "k", "v", "g", "beta")), h0, cu)
+    guard_inputs, guard_outputs = nan_guard(cfg.prims, bounds_ok(cu, T) if guard else None)
+    packed = guard_inputs(packed[:6]) + packed[6:]  # q, k, v, g, beta, h0; then the table
+    o, final = gdn_op(cfg, LocalMerge() if P > 1 else None, *packed)
+    rows = () if cu is None or cu.ndim == 1 else (B,)
+    final = final.reshape(rows + (-1,) + final.shape[1:])
+    return guard_outputs((o.reshape((B, T) + v.shape[2:]), final))
+
+
+def _rule(d, cu_seqlens, initial_state) -> sharding.Rule:
+    """gdn's factors (sharding.py): batch b and q/k heads h split, value heads with their group."""
+    vh = "h" if d.HV == d.H else "(h r)"
+    form = None if cu_seqlens is None else cu_seqlens.ndim
+    state = {None: f"b {vh} k d", 1: f"n {vh} k d", 2: f"b n {vh} k d"}[form]
+    ins = dict(q="b t h k", k="b t h k", v=f"b t {vh} d", g=f"b t {vh}", beta=f"b t {vh}")
+    if initial_state is not None:
+        ins["initial_state"] = state
+    if form is not None:
+        ins["cu_seqlens"] = {1: "m", 2: "b m"}[form]
+    return sharding.Rule("gdn", ins, (f"b t {vh} d", state), {"r": d.HV // d.H},
+                         {"b": "batch rows B", "h": "q/k heads H (a GVA group of HV / H value "
+                          "heads stays on one device)"})
 
 
 def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
@@ -62,16 +105,26 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
     Args:
       q, k: [B, T, H, K] bfloat16 or float32.  v: [B, T, HV, V], same dtype (HV % H == 0).
       g: [B, T, HV] float32 log decay (<= 0), or the raw gate input with use_gate_in_kernel.
+        The op clamps the log decay from below at guards.DECAY_FLOOR = -20 (exp(-20) < 2.1e-9):
+        a stronger decay (-1e8, -inf) acts as the reset it is, with zero gradient below the
+        floor, instead of costing the chunk's float32 gate cumsum its precision.
       beta: [B, T, HV] float32 in (0, 1), or raw logits with use_beta_sigmoid_in_kernel.
-      cu_seqlens: optional int32 [N + 1] document bounds over T (then B == 1); may be traced, so a
-        jitted step does not retrace when boundaries change (repeat the last entry for empty
-        documents up to a fixed capacity). Documents never exchange state. Concrete bounds are
-        checked (ValueError); traced bounds that break the rules make o all NaN (and put NaN
-        into the gradients).
-      scale: output scale, default K ** -0.5.
+      cu_seqlens: optional int32 document bounds. [N + 1] over the T tokens of one packed row
+        (then B == 1), or per row [B, N + 1]: row b's bounds over its own T tokens, so data
+        parallelism over packed rows splits the batch (cu_seqlens rather than [B, T] segment
+        ids: a document's index selects its initial / final state, and N + 1 bounds per row
+        cost a fraction of T ids). May be traced, so a jitted step does not retrace when
+        boundaries change (repeat the last entry for empty documents up to a fixed capacity N).
+        Documents never exchange state. Concrete bounds are checked (ValueError); traced bounds
+        that break the rules make o NaN on every device that holds a bad row (all of o on one
+        device) and put NaN into its gradients.
+      scale: output scale, default K ** -0.5; a concrete Python or NumPy number (it is static
+        in the kernels; o is linear in scale, so scale o for a traced factor).
       qk_l2norm: L2-normalise q and k per head row inside the op (x / sqrt(sum x^2 + 1e-6)).
-      initial_state: optional float32 [N or B, HV, K, V] entry state per document.
-      output_final_state: also return the exit state per document, float32 [N or B, HV, K, V].
+      initial_state: optional float32 entry state per document: [B, HV, K, V] without
+        cu_seqlens, [N, HV, K, V] with [N + 1] bounds, [B, N, HV, K, V] with per-row bounds.
+      output_final_state: also return the exit state per document, float32, initial_state's
+        shape.
       save_mode: "light" keeps inputs, every segment's entry state, gate cumsum, A (and rstd) and
         replays w, u and the state walk in the backward; "full" also keeps w, the h tape and
         v_new (and u on xla; bfloat16 on the cuda backend, float32 on xla; see `saved_layout`).
@@ -91,7 +144,8 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
       backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
         "cuda". Under "cuda" every primitive of the forward and the backward is a CUDA kernel
         (`primitives.CUDA_KERNELS`; the GVA group sum and L2-norm backward of dq/dk too); the
-        gate options are jax.numpy.
+        gate options are jax.numpy. Compiling a "cuda" call for another platform (arrays on
+        the host) is a ValueError; lowering it for cuda works on any host.
       use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval: the gate
         options of flash-linear-attention's `chunk_gated_delta_rule`, same names and meaning
         (see `jax_cake_gdn.gates`). use_gate_in_kernel=True: g is raw and the log decay is
@@ -107,21 +161,29 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         None (default): `plan.plan_segments` picks from documents x value heads against the SMs
         (1 on the xla backend, and where the chains fill the GPU: then gdn runs no transfer).
 
+    Sharding (jax_cake_gdn.sharding): the arrays may be sharded over the batch and the heads
+    (q/k heads H with the value heads HV, so a GVA group stays on one device) on Explicit or
+    Auto mesh axes, or be one device's block inside jax.shard_map. Each device runs the op on
+    its block with no collective, and o and final keep the inputs' sharding; on Auto axes the
+    backward also recomputes the gate cumsum, L2 norm and A per device. A sharded token axis
+    is a ValueError: context parallelism is `gdn_kcp`.
+
     Returns:
       o [B, T, HV, V] in v's dtype, or (o, final_state) when output_final_state.
     """
-    d, cfg, P, args = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
-                             save_mode, backend, segments)
-    cfg = cfg._replace(deterministic=bool(deterministic))
+    check_arrays("gdn", q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens,
+                 initial_state=initial_state)
+    d, cfg, docs = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
+                          save_mode, backend, deterministic)
     g, beta = apply_options(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                             dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                             allow_neg_eigval=allow_neg_eigval)
-    args = (q, k, v, g, beta) + args[5:]
-    guard_inputs, guard_outputs = bounds_guard(cfg.prims, cu_seqlens, d.T)
-    packed = _packed_args(d, P, *args)
-    packed = guard_inputs(packed[:6]) + packed[6:]  # q, k, v, g, beta, h0; then the table
-    o, final = gdn_op(cfg, LocalMerge() if P > 1 else None, *packed)
-    o, final = guard_outputs((o.reshape(d.B, d.T, d.HV, d.V), final))
+    args = dict(q=q, k=k, v=v, g=floor_decay(g), beta=beta, initial_state=initial_state,
+                cu_seqlens=cu_seqlens)
+    args = {n: x for n, x in args.items() if x is not None}
+    guard = cu_seqlens is not None and concrete(cu_seqlens) is None  # concrete: checked above
+    local = functools.partial(_local, cfg, segments, docs / d.B, guard)
+    o, final = sharding.call(local, _rule(d, cu_seqlens, initial_state), args)
     return (o, final) if output_final_state else o
 
 
@@ -132,9 +194,10 @@ def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale: float | None = Non
     """Residuals kept for the backward: {name: (shape, dtype, bytes)}.
 
     Takes the arguments of `gdn` (arrays or jax.ShapeDtypeStruct); computes nothing on device.
-    Names match the checkpoint names (`gdn_<name>`); `ct.*` is the chunk table. The gate options
-    (use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval) add the raw
-    inputs they keep: g_raw, A_log, dt_bias, beta_raw.
+    Names match the checkpoint names (`gdn_<name>`); `ct.*` is the chunk table; `g_floor` is the
+    decay floor's mask (guards.floor_decay). The gate options (use_gate_in_kernel, A_log,
+    dt_bias, use_beta_sigmoid_in_kernel, allow_neg_eigval) add the raw inputs they keep: g_raw,
+    A_log, dt_bias, beta_raw. Shapes are one device's: pass a device's block when sharded.
     With `num_ranks=W` (and gdn_kcp's layout, exchange, segments, num_docs): the residuals of
     `gdn_kcp` on each rank (every rank keeps the same shapes), for global q..beta shapes. An
     argument neither op takes is a TypeError.
@@ -154,13 +217,18 @@ def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale: float | None = Non
         return saved_layout_kcp(q, k, v, g, beta, cu_seqlens=cu_seqlens, num_ranks=num_ranks,
                                 save_mode=save_mode, scale=scale, qk_l2norm=qk_l2norm,
                                 backend=backend, **gate_kw, **kcp_kw)
-    d, cfg, P, args = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
-                             save_mode, backend, kcp_kw.pop("segments", None))
+    segments = kcp_kw.pop("segments", None)
     if kcp_kw:
         raise TypeError(f"saved_layout got context-parallel arguments {sorted(kcp_kw)} without "
                         "num_ranks")
-    merge = LocalMerge() if P > 1 else None
-    res, tabs = jax.eval_shape(lambda *a: forward(cfg, merge, *_packed_args(d, P, *a))[1], *args)
+    d, cfg, docs = _setup(q, k, v, g, beta, cu_seqlens, scale, qk_l2norm, initial_state,
+                          save_mode, backend)
+
+    def residuals(*a):
+        P, packed = _packed(cfg, segments, docs / d.B, *a)
+        return forward(cfg, LocalMerge() if P > 1 else None, *packed)[1]
+
+    res, tabs = jax.eval_shape(residuals, q, k, v, g, beta, initial_state, cu_seqlens)
     table = [(f"ct.{f}", x) for f, x in tabs.ct._asdict().items()]
     table += [(f"seg.{f}", x) for f, x in tabs._asdict().items() if f != "ct"]
     out = {}
@@ -169,6 +237,7 @@ def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale: float | None = Non
             out[name] = (tuple(x.shape), jnp.dtype(x.dtype), int(np.prod(x.shape)) *
                          jnp.dtype(x.dtype).itemsize)
     out.update(saved_layout_gates(g, beta, **gate_kw))
+    out["g_floor"] = (tuple(g.shape), np.dtype(bool), int(np.prod(g.shape)))  # floor_decay's mask
     return out
 
 
