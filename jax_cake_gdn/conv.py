@@ -6,10 +6,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from . import primitives
-from .checks import check_cu_seqlens
+from . import primitives, sharding, vma
+from .checks import bounds_ok, check_arrays, check_cu_seqlens, concrete
+from .guards import bounds_guard, cuda_only, nan_guard
+from .rows import packed_bounds
 
 __all__ = ["short_conv"]
 
@@ -110,6 +111,27 @@ def doc_positions(bounds, T):
     return t - bounds[jnp.minimum(doc, bounds.shape[0] - 2)]
 
 
+def _local(cuda: bool, activation, guard: bool, args: dict):
+    """short_conv on one device's block (sharding.call): args holds x, weight and optionally
+    cu_seqlens."""
+    x, weight, cu = args["x"], args["weight"], args.get("cu_seqlens")
+    B, T, C = x.shape
+    bounds, _ = packed_bounds(cu, B, T)
+    if cuda:
+        bounds = cuda_only(bounds)
+    pos = doc_positions(bounds, B * T)
+    axes = vma.union(x, weight)  # the cuda backward returns dx, dweight with both's axes
+    x, weight = vma.cast(x, axes), vma.cast(weight, axes)
+    if cuda:
+        from .primitives import cuda as prims  # (its nan_unless)
+    else:
+        prims = primitives.XLA
+    guard_inputs, guard_outputs = nan_guard(prims, bounds_ok(cu, T) if guard else None)
+    x, weight = guard_inputs((x, weight))
+    y = (_conv_cuda if cuda else _conv_packed)(x.reshape(B * T, C), weight, pos, activation)
+    return (guard_outputs(y.reshape(B, T, C)),)
+
+
 def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None = None,
                activation: str | None = "silu", backend: str | None = None,
                axis_name: str | None = None, layout: str = "contiguous") -> jax.Array:
@@ -117,7 +139,10 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
 
     Args:
       x: [B, T, C] bfloat16 or float32.  weight: [C, W] bfloat16 or float32.
-      cu_seqlens: optional int32 [N + 1] document bounds (B == 1); may be traced.
+      cu_seqlens: optional int32 document bounds, as in `gdn`: [N + 1] over T (then B == 1), or
+        per row [B, N + 1], each row's bounds over its own T tokens. May be traced; concrete
+        bounds are checked (ValueError), traced ones that break the rules make y NaN on every
+        device holding a bad row (all of y on one device) and put NaN into its gradients.
       activation: "silu" or None.
       backend: None (cuda when the extension is built and a GPU is visible, else xla), "xla" or
         "cuda". cuda: CUDA kernels forward and backward (cuda/conv.cu, a custom_vjp; dweight is
@@ -126,8 +151,15 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
         [1, T / W, C] of the layout-ordered tokens (see `to_layout`), cu_seqlens is global and
         required. The first W - 1 rows of a continuing document come from the previous piece in
         layout order. This form is jax.numpy (autodiff) on every backend.
+
+    Sharding (without axis_name; jax_cake_gdn.sharding): x may be sharded over the batch and the
+    channels (weight's channels with them) on Explicit or Auto mesh axes, or be one device's
+    block inside jax.shard_map; each device convolves its block, with no collective beyond
+    summing dweight over the batch shards. A sharded token axis is a ValueError: use axis_name.
+
     Returns y [B, T, C] in x's dtype.
     """
+    check_arrays("short_conv", x=x, weight=weight, cu_seqlens=cu_seqlens)
     if not hasattr(x, "ndim") or x.ndim != 3:
         raise ValueError(f"x must be [B, T, C], got {getattr(x, 'shape', type(x).__name__)}")
     if not hasattr(weight, "ndim") or weight.ndim != 2:
@@ -150,15 +182,22 @@ def short_conv(x: jax.Array, weight: jax.Array, *, cu_seqlens: jax.Array | None 
             raise ValueError("short_conv with axis_name (context parallel) needs cu_seqlens")
         from .kcp.layout import axis_size
 
-        check_cu_seqlens(cu_seqlens, B, T * axis_size(axis_name))
+        W = axis_size(axis_name)
+        check_cu_seqlens(cu_seqlens, B, T * W)
+        guard_inputs, guard_outputs = bounds_guard(primitives.XLA, cu_seqlens, T * W,
+                                                   2 * W if layout == "doc_zigzag" else 1)
+        x, weight = guard_inputs((x, weight))
         y = _conv_kcp(x.reshape(T, C), weight, cu_seqlens, axis_name, layout, activation)
-        return y.reshape(B, T, C)
-    if cu_seqlens is None:
-        bounds = np.arange(B + 1, dtype=np.int32) * T
-    else:
-        check_cu_seqlens(cu_seqlens, B, T)
-        bounds = cu_seqlens
-    pos = doc_positions(bounds, B * T)
-    conv = _conv_cuda if primitives.use_cuda(backend) else _conv_packed
-    y = conv(x.reshape(B * T, C), weight, pos, activation)
-    return y.reshape(B, T, C)
+        return guard_outputs(y.reshape(B, T, C))
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, B, T, per_row=True)
+    args = {n: a for n, a in dict(x=x, weight=weight, cu_seqlens=cu_seqlens).items()
+            if a is not None}
+    ins = dict(x="b t h", weight="h w")
+    if cu_seqlens is not None:
+        ins["cu_seqlens"] = "m" if cu_seqlens.ndim == 1 else "b m"
+    rule = sharding.Rule("short_conv", ins, ("b t h",), {},
+                         {"b": "batch rows B", "h": "channels C"})
+    guard = cu_seqlens is not None and concrete(cu_seqlens) is None  # concrete: checked above
+    local = functools.partial(_local, primitives.use_cuda(backend), activation, guard)
+    return sharding.call(local, rule, args)[0]

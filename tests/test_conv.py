@@ -24,13 +24,17 @@ def _direct_conv_f64(x, w, bounds, activation):
 
 @pytest.mark.parametrize("W", (1, 2, 4))
 @pytest.mark.parametrize("activation", ("silu", None))
-@pytest.mark.parametrize("packing", ("cu_seqlens", "batch"))
+@pytest.mark.parametrize("packing", ("cu_seqlens", "rows", "batch"))
 def test_short_conv_matches_direct(rng, W, activation, packing):
     C = 12
     if packing == "cu_seqlens":
         B, T = 1, 157
         cu = uneven_cu_seqlens(rng, T, n_docs=5)
         bounds = cu
+    elif packing == "rows":  # per-row bounds [B, N + 1]
+        B, T = 3, 41
+        cu = np.stack([uneven_cu_seqlens(rng, T, n_docs=4) for _ in range(B)])
+        bounds = np.concatenate([(cu[:, :-1] + T * np.arange(B)[:, None]).ravel(), [B * T]])
     else:
         B, T, cu = 3, 41, None
         bounds = np.arange(B + 1) * T
@@ -40,7 +44,9 @@ def test_short_conv_matches_direct(rng, W, activation, packing):
     y, pull = jax.vjp(lambda x, w: J.short_conv(x, w, cu_seqlens=None if cu is None else
                                                 jnp.asarray(cu), activation=activation), x, w)
     dx, dw = pull(jnp.asarray(dy))
-    assert rel_rms(y, short_conv_reference(x, w, cu_seqlens=cu, activation=activation)) <= 1e-6
+    ref = short_conv_reference(x.reshape(1, B * T, C), w, activation=activation,
+                               cu_seqlens=bounds)
+    assert rel_rms(y.reshape(ref.shape), ref) <= 1e-6
     with jax.enable_x64(True):
         f = lambda x, w: _direct_conv_f64(x.reshape(B * T, C), w, bounds, activation)
         yr, pr = jax.vjp(f, jnp.asarray(x, jnp.float64), jnp.asarray(w, jnp.float64))
