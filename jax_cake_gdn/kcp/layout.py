@@ -62,6 +62,8 @@ def check_layout(layout, cu_seqlens, num_tokens: int, W: int) -> None:
     """ValueError for an unknown layout or token counts the layout cannot split."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(W, bool) or not isinstance(W, (int, np.integer)) or W < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {W!r}")
     parts = W if layout == "contiguous" else 2 * W
     if num_tokens % parts:
         raise ValueError(f"layout {layout!r} over {W} ranks needs the global token count "

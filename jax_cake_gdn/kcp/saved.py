@@ -16,7 +16,9 @@ from jax._src.ad_checkpoint import saved_residuals  # public only as print_saved
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ..checks import check_cu_seqlens
 from .gdn_kcp import gdn_kcp
+from .layout import check_layout
 
 _AXIS = "kcp"
 
@@ -36,6 +38,9 @@ def saved_layout_kcp(q, k, v, g, beta, *, cu_seqlens, num_ranks: int, layout="co
     """Per-rank residuals of gdn_kcp: {name: (shape, dtype, bytes)}; q..beta are global shapes.
     kw: the remaining gdn_kcp options (the gate flags); others are ignored."""
     W = int(num_ranks)
+    # the checks gdn_kcp makes of concrete bounds (below they are abstract)
+    check_cu_seqlens(cu_seqlens, 1, np.shape(q)[1])
+    check_layout(layout, cu_seqlens, np.shape(q)[1], W)
     mesh = AbstractMesh((W,), (_AXIS,))
     tok = NamedSharding(mesh, P(None, _AXIS))
     rep = NamedSharding(mesh, P())
