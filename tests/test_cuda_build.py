@@ -19,6 +19,7 @@ from conftest import need_ext, need_gpu, run_python
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_cake_gdn.chunks import ChunkTable
 from jax_cake_gdn.primitives import cuda
 
 CHUNK = 64
@@ -43,6 +44,11 @@ def _tables(rng, num_tokens: int, spare: int = 3):
     lens += [0] * spare
     perm = rng.permutation(len(starts))
     return np.asarray(starts, np.int32)[perm], np.asarray(lens, np.int32)[perm]
+
+
+def _ct(start, length):
+    """A chunk table of these arrays (gate_cumsum reads only start and length)."""
+    return ChunkTable(start, length, *[None] * 9)
 
 
 def _numpy_gate_cumsum(g, starts, lens):
@@ -74,7 +80,7 @@ def test_lower_for_cuda_emits_custom_call():
     need_ext()
     g = jnp.zeros((300, 6), jnp.float32)
     starts, lens = _tables(np.random.default_rng(0), 300)
-    hlo = _lower_cuda(cuda.gate_cumsum, g, jnp.asarray(starts), jnp.asarray(lens))
+    hlo = _lower_cuda(cuda.gate_cumsum, g, _ct(jnp.asarray(starts), jnp.asarray(lens)))
     assert "stablehlo.custom_call @jax_cake_gdn_gate_cumsum" in hlo
     assert "tensor<300x6xf32>" in hlo
 
@@ -83,13 +89,13 @@ def test_bad_inputs_raise_value_error():
     g = jnp.zeros((128, 4), jnp.float32)
     ok = jnp.zeros((2,), jnp.int32)
     with pytest.raises(ValueError, match="g must be"):
-        cuda.gate_cumsum(g[:, 0], ok, ok)
+        cuda.gate_cumsum(g[:, 0], _ct(ok, ok))
     with pytest.raises(ValueError, match="float32"):
-        cuda.gate_cumsum(g.astype(jnp.bfloat16), ok, ok)
+        cuda.gate_cumsum(g.astype(jnp.bfloat16), _ct(ok, ok))
     with pytest.raises(ValueError, match="chunk_len must be int32"):
-        cuda.gate_cumsum(g, ok, ok.astype(jnp.float32))
-    with pytest.raises(ValueError, match="differ"):
-        cuda.gate_cumsum(g, ok, jnp.zeros((3,), jnp.int32))
+        cuda.gate_cumsum(g, _ct(ok, ok.astype(jnp.float32)))
+    with pytest.raises(ValueError, match="chunk_len must have 2 entries"):
+        cuda.gate_cumsum(g, _ct(ok, jnp.zeros((3,), jnp.int32)))
 
 
 @pytest.mark.parametrize("varying", ["g", "tables", "both"])
@@ -104,7 +110,7 @@ def test_shard_map_results_carry_vma(varying):
     seen = {}
 
     def body(g, cs, cl):
-        out = cuda.gate_cumsum(g, cs, cl)
+        out = cuda.gate_cumsum(g, _ct(cs, cl))
         seen["out"] = jax.typeof(out)
         return out
 
@@ -145,10 +151,10 @@ _GPU_CHECK = textwrap.dedent("""
     import os, sys
     import numpy as np, jax, jax.numpy as jnp
     sys.path.insert(0, os.path.dirname({here!r}))
-    from test_cuda_build import _tables, _numpy_gate_cumsum
+    from test_cuda_build import _ct, _tables, _numpy_gate_cumsum
     from jax_cake_gdn.primitives import cuda
     assert os.environ["JAX_CAKE_GDN_POISON"] == "1"
-    f = jax.jit(cuda.gate_cumsum)
+    f = jax.jit(lambda g, cs, cl: cuda.gate_cumsum(g, _ct(cs, cl)))
     for seed, (T, HV) in enumerate([(1000, 6), (4097, 48), (130, 200)]):
         rng = np.random.default_rng(seed)
         g = -rng.uniform(0.0, 1.0, size=(T, HV)).astype(np.float32)

@@ -40,12 +40,18 @@ from conftest import need_ext, need_gpu, run_python
 
 import jax_cake_gdn as J
 from jax_cake_gdn import gdn, primitives
-from jax_cake_gdn.chunks import chunk_table
+from jax_cake_gdn.chunks import ChunkTable, chunk_table
 from jax_cake_gdn.primitives import cuda
 from jax_cake_gdn.primitives import xla as X
 
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)  # T = 1193, 7 segments, NC = 25 (21 used)
 TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
+
+
+def _ct(start, length, seg_first=None, seg_last=None, seg_len=None, seg_order=None):
+    """A chunk table of the given arrays (the cuda wrappers read only these fields)."""
+    return ChunkTable(start, length, None, None, None, seg_first, seg_last, seg_len, seg_order,
+                      None, None)
 
 
 def rel(x, ref) -> float:
@@ -94,13 +100,12 @@ def walk_pairs(inp, qk_l2norm):
     def run(q, k, v, g, beta, h0, do, dfinal, cu):
         ct, rq, rk, G, A, w, u, h, vn = _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm)
         bf = jnp.bfloat16  # the cuda kernels take w in bf16
-        tab = (ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order)
         # the segments' CTAs started in the opposite order: the same values, bit for bit
-        tab_rev = tab[:-1] + (ct.seg_order[::-1],)
+        ct_rev = ct._replace(seg_order=ct.seg_order[::-1])
         wb = w.astype(bf)
         out = {"xla": X.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale),
-               "cuda": cuda.walk_bwd(q, k, wb, G, do, dfinal, rq, rk, *tab, scale=scale),
-               "cuda_rev": cuda.walk_bwd(q, k, wb, G, do, dfinal, rq, rk, *tab_rev,
+               "cuda": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, ct, scale=scale),
+               "cuda_rev": cuda.walk_bwd(q, k, wb, G, do, dfinal, None, rq, rk, ct_rev,
                                          scale=scale)}
         return out, ct.length
 
@@ -132,9 +137,9 @@ def chunk_bwd_pairs(inp, qk_l2norm):
                 "xla_r": X.chunk_bwd(q, k, v, beta, G, A, w, u, hb.astype(f32), vn, None,
                                      dSb.astype(f32), dvnb.astype(f32), do, rq, rk, ct,
                                      scale=scale),
-                **{key: cuda.chunk_bwd(q, k, v, beta, G, A.astype(bf), hb, vn.astype(bf), dSb,
-                                       dvnb, do, rq, rk, ct.start, ct.length, scale=scale,
-                                       deterministic=det)
+                **{key: cuda.chunk_bwd(q, k, v, beta, G, A.astype(bf), None, None, hb,
+                                       vn.astype(bf), None, dSb, dvnb, do, rq, rk, ct,
+                                       scale=scale, deterministic=det)
                    for key, det in (("cuda", True), ("cuda_sum", False))}}
 
     return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
@@ -167,8 +172,8 @@ def test_lower_walk_bwd_for_cuda(l2):
     a = _abstract_walk()
 
     def f(q, k, w, G, do, dfinal, rq, rk, cs, cl, sf, sl, sn, so):
-        return cuda.walk_bwd(q, k, w, G, do, dfinal, rq if l2 else None, rk if l2 else None, cs,
-                             cl, sf, sl, sn, so, scale=0.125)
+        return cuda.walk_bwd(q, k, w, G, do, dfinal, None, rq if l2 else None,
+                             rk if l2 else None, _ct(cs, cl, sf, sl, sn, so), scale=0.125)
 
     hlo = _lower_cuda(f, *a.values())
     calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_walk_bwd" in ln]
@@ -202,8 +207,8 @@ def test_lower_chunk_bwd_for_cuda(dims, l2, deterministic):
     a = _abstract_chunk(K=K, V=V)
 
     def f(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, cs, cl):
-        return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq if l2 else None,
-                              rk if l2 else None, cs, cl, scale=0.125,
+        return cuda.chunk_bwd(q, k, v, beta, G, A, None, None, h, v_new, None, dS_end, dvn, do,
+                              rq if l2 else None, rk if l2 else None, _ct(cs, cl), scale=0.125,
                               deterministic=deterministic)
 
     hlo = _lower_cuda(f, *a.values())
@@ -237,8 +242,9 @@ def test_lower_walk_chunk_bwd_for_cuda(deterministic):
     w, c = _abstract_walk(), _abstract_chunk()
     tab = (w["cs"], w["cl"], w["sf"], w["sl"], w["sn"], w["so"])
 
-    def f(*a):
-        return cuda.walk_chunk_bwd(*a, scale=0.125, deterministic=deterministic)
+    def f(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rq, rk, *tab, scale=0.125):
+        return cuda.walk_chunk_bwd(q, k, v, beta, G, A, w, None, h, v_new, do, dfinal, rq, rk,
+                                   _ct(*tab), scale=scale, deterministic=deterministic)
 
     args = (c["q"], c["k"], c["v"], c["beta"], w["w"], c["G"], c["A"], c["h"], c["v_new"],
             c["do"], w["dfinal"], c["rq"], c["rk"]) + tab
@@ -258,7 +264,7 @@ def test_lower_walk_chunk_bwd_for_cuda(deterministic):
     msgs = {5: "G must have shape", 4: "w must be bfloat16", 10: "dfinal must have shape"}
     for i, x in bad.items():
         with pytest.raises(ValueError, match=f"walk_chunk_bwd: {msgs[i]}"):
-            cuda.walk_chunk_bwd(*a[:i], x, *a[i + 1:], scale=0.1)
+            f(*a[:i], x, *a[i + 1:], scale=0.1)
 
 
 def _grad_fn(backend, save_mode="light", deterministic=False):
@@ -392,7 +398,8 @@ def test_bad_inputs_raise_value_error():
         a = dict(q=q, k=q, w=w, G=G, do=do, dfinal=df, rstd_q=None, rstd_k=None,
                  chunk_start=cs, chunk_len=cs, seg_first=s, seg_last=s, seg_len=s, seg_order=s)
         a.update(kw)
-        return cuda.walk_bwd(*a.values(), scale=0.1)
+        a = list(a.values())
+        return cuda.walk_bwd(*a[:6], None, *a[6:8], _ct(*a[8:]), scale=0.1)
 
     cases = [
         (dict(q=q.astype(jnp.float16)), "q must be bfloat16 or float32"),
@@ -434,7 +441,9 @@ def test_chunk_bwd_bad_inputs_raise_value_error():
                  rstd_q=None, rstd_k=None,
                  chunk_start=cs, chunk_len=cs)
         a.update(kw)
-        return cuda.chunk_bwd(*a.values(), scale=0.1)
+        a = list(a.values())
+        return cuda.chunk_bwd(*a[:6], None, None, *a[6:8], None, *a[8:13], _ct(*a[13:]),
+                              scale=0.1)
 
     cases = [
         (dict(v=v.astype(f32)), "v must have q's dtype"),
@@ -619,17 +628,17 @@ def walk_chunk_pairs(inp, qk_l2norm):
         ct, rq, rk, G, A, w, u, h, vn = _xla_forward(q, k, v, g, beta, h0, cu, qk_l2norm)
         bf = jnp.bfloat16
         A, w, h, vn = A.astype(bf), w.astype(bf), h.astype(bf), vn.astype(bf)
-        tab = (ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order)
-        tab_rev = tab[:-1] + (ct.seg_order[::-1],)
+        ct_rev = ct._replace(seg_order=ct.seg_order[::-1])
         out = {}
         for det in (True, False):
-            dS, dh0, dvn = cuda.walk_bwd(q, k, w, G, do, dfinal, rq, rk, *tab, scale=scale)
-            out["two", det] = cuda.chunk_bwd(q, k, v, beta, G, A, h, vn, dS, dvn, do, rq, rk,
-                                             ct.start, ct.length, scale=scale,
+            dS, dh0, dvn = cuda.walk_bwd(q, k, w, G, do, dfinal, None, rq, rk, ct, scale=scale)
+            out["two", det] = cuda.chunk_bwd(q, k, v, beta, G, A, w, None, h, vn, None, dS, dvn,
+                                             do, rq, rk, ct, scale=scale,
                                              deterministic=det) + (dh0,)
-            for key, t in (("one", tab), ("one_rev", tab_rev)):
-                out[key, det] = cuda.walk_chunk_bwd(q, k, v, beta, w, G, A, h, vn, do, dfinal,
-                                                    rq, rk, *t, scale=scale, deterministic=det)
+            for key, t in (("one", ct), ("one_rev", ct_rev)):
+                out[key, det] = cuda.walk_chunk_bwd(q, k, v, beta, G, A, w, None, h, vn, do,
+                                                    dfinal, rq, rk, t, scale=scale,
+                                                    deterministic=det)
         return out
 
     return run(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["h0"], inp["do"],
@@ -670,7 +679,7 @@ _POISON_CHECK = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp
     sys.path.insert(0, os.path.dirname({here!r}))
     from test_cuda_bwd import (make_walk_inputs, walk_pairs, chunk_bwd_pairs, walk_chunk_pairs,
-                               CONFIGS)
+                               CONFIGS, _ct)
     from jax_cake_gdn.primitives import cuda
     assert os.environ["JAX_CAKE_GDN_POISON"] == "1"
     for name, H, HV, K, V, dtype, l2 in CONFIGS:
@@ -697,8 +706,8 @@ _POISON_CHECK = textwrap.dedent("""
     dS, dh0, dvn = jax.jit(cuda.walk_bwd, static_argnames="scale")(
         q, q, jnp.zeros((T, HV, K), jnp.bfloat16), jnp.zeros((T, HV)),
         jnp.ones((T, HV, V), jnp.bfloat16),
-        jnp.ones((1, HV, K, V)), None, None, i32(0, 64, 128), i32(64, 64, 0), i32(0),
-        i32(0), i32(64), i32(0), scale=0.1)
+        jnp.ones((1, HV, K, V)), None, None, None,
+        _ct(i32(0, 64, 128), i32(64, 64, 0), i32(0), i32(0), i32(64), i32(0)), scale=0.1)
     assert dS.dtype == dvn.dtype == jnp.bfloat16  # poison (0xFF bytes) is a NaN in bf16 too
     dS, dh0, dvn = np.asarray(dS, np.float32), np.asarray(dh0), np.asarray(dvn, np.float32)
     assert np.isfinite(dS[0]).all() and np.isfinite(dh0).all() and np.isfinite(dvn[0]).all()

@@ -33,7 +33,7 @@ import pytest
 from conftest import need_ext, need_gpu, run_python
 
 from jax_cake_gdn import gdn, primitives
-from jax_cake_gdn.chunks import chunk_table
+from jax_cake_gdn.chunks import ChunkTable, chunk_table
 from jax_cake_gdn.primitives import cuda
 
 # the forward's custom calls by save mode: both make A alone (solve_a) and fuse w, u, the walk and
@@ -134,10 +134,8 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         # "replay...~sep", bitwise equal expected (light == full in the backward depends on it)
         wr, ur, hr, vnr = C.replay(k, v, beta, G, Ac, h0, rk, ct)
         assert ur is None
-        finr = cuda.replay(k, v, beta, Ac, G, h0, rk, ct.start, ct.length, ct.seg_first,
-                           ct.seg_last, ct.seg_len, ct.seg_order)[3]
         out["replay.w~sep"], out["replay.h~sep"] = (wr, wc), (hr, hp)
-        out["replay.v_new~sep"], out["replay.final~sep"] = (vnr, vnp), (finr, finp)
+        out["replay.v_new~sep"] = (vnr, vnp)
         owp, finwp = C.walk_output(q, k, v, beta, Ac, G, h0, rq, rk, ct, scale=scale,
                                    out_dtype=v.dtype)
         out["walk_output.final~sep"] = (finwp, finp)
@@ -147,7 +145,7 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
                                                     scale=scale, out_dtype=v.dtype, tapes=True)
         assert ut is None
         out["walk_output_tapes.h"], out["walk_output_tapes.v_new"] = (ht, hr), (vnt, vnr)
-        out["walk_output_tapes.w"], out["walk_output_tapes.final"] = (wt, wr), (finwt, finr)
+        out["walk_output_tapes.w"], out["walk_output_tapes.final"] = (wt, wr), (finwt, finwp)
         out["walk_output_tapes.o"] = (owt, owp)
         return out
 
@@ -294,55 +292,59 @@ def test_unsupported_dims_raise_or_fall_back(monkeypatch):
     assert set(FWD_TARGETS["light"]) <= _targets(hlo)
 
 
+def _ct(start, length, seg_first=None, seg_last=None, seg_len=None, seg_order=None):
+    """A chunk table of the given arrays (the cuda wrappers read only these fields)."""
+    return ChunkTable(start, length, None, None, None, seg_first, seg_last, seg_len, seg_order,
+                      None, None)
+
+
 def test_bad_inputs_raise_value_error():
     T, H, HV, K, V, NC = 100, 2, 6, 128, 128, 4
     k = jnp.zeros((T, H, K), jnp.bfloat16)
     v = jnp.zeros((T, HV, V), jnp.bfloat16)
     f = jnp.zeros((T, HV), jnp.float32)
     cs = jnp.zeros((NC,), jnp.int32)
+    s = jnp.zeros((3,), jnp.int32)
+    ct = _ct(cs, cs, s, s, s, s)
     with pytest.raises(ValueError, match="bfloat16 or float32"):
-        cuda.prep(k.astype(jnp.float16), v, f, f, None, cs, cs)
+        cuda.prep(k.astype(jnp.float16), v, f, f, None, ct)
     with pytest.raises(ValueError, match="K = 32"):
-        cuda.prep(jnp.zeros((T, H, 32), jnp.bfloat16), v, f, f, None, cs, cs)
+        cuda.prep(jnp.zeros((T, H, 32), jnp.bfloat16), v, f, f, None, ct)
     with pytest.raises(ValueError, match="multiple of H"):
-        cuda.prep(jnp.zeros((T, 4, K), jnp.bfloat16), v, f, f, None, cs, cs)
+        cuda.prep(jnp.zeros((T, 4, K), jnp.bfloat16), v, f, f, None, ct)
     with pytest.raises(ValueError, match="beta"):
-        cuda.prep(k, v, f[:, :3], f, None, cs, cs)
+        cuda.prep(k, v, f[:, :3], f, None, ct)
     with pytest.raises(ValueError, match="G must"):
-        cuda.prep(k, v, f, f[:, :3], None, cs, cs)
+        cuda.prep(k, v, f, f[:, :3], None, ct)
     with pytest.raises(ValueError, match="rstd_k"):
-        cuda.prep(k, v, f, f, jnp.zeros((T, H + 1), jnp.float32), cs, cs)
+        cuda.prep(k, v, f, f, jnp.zeros((T, H + 1), jnp.float32), ct)
     with pytest.raises(ValueError, match="chunk_len"):
-        cuda.prep(k, v, f, f, None, cs, cs[:2])
+        cuda.prep(k, v, f, f, None, _ct(cs, cs[:2]))
     with pytest.raises(ValueError, match="v must have k's dtype"):
-        cuda.prep(k, v.astype(jnp.float32), f, f, None, cs, cs)
+        cuda.prep(k, v.astype(jnp.float32), f, f, None, ct)
     with pytest.raises(ValueError, match="V = 96"):
-        cuda.prep(k, jnp.zeros((T, HV, 96), jnp.bfloat16), f, f, None, cs, cs)
+        cuda.prep(k, jnp.zeros((T, HV, 96), jnp.bfloat16), f, f, None, ct)
     w = jnp.zeros((T, HV, K), jnp.bfloat16)
     u = jnp.zeros((T, HV, V), jnp.bfloat16)
-    s = jnp.zeros((3,), jnp.int32)
+    h0 = jnp.zeros((3, HV, K, V))
     with pytest.raises(ValueError, match="h0"):
-        cuda.state_walk(k, w, u, f, jnp.zeros((2, HV, K, V)), None, cs, cs, s, s, s, s)
+        cuda.state_walk(k, w, u, f, h0[:2], None, ct)
     with pytest.raises(ValueError, match="u must be bfloat16 .as the cuda prep"):
-        cuda.state_walk(k, w, u.astype(jnp.float32), f, jnp.zeros((3, HV, K, V)), None, cs, cs,
-                        s, s, s, s)
+        cuda.state_walk(k, w, u.astype(jnp.float32), f, h0, None, ct)
     with pytest.raises(ValueError, match="w must be bfloat16 .as the cuda prep"):
-        cuda.state_walk(k, w.astype(jnp.float32), u, f, jnp.zeros((3, HV, K, V)), None, cs, cs,
-                        s, s, s, s)
+        cuda.state_walk(k, w.astype(jnp.float32), u, f, h0, None, ct)
     with pytest.raises(ValueError, match="seg_order must have 3 entries"):
-        cuda.state_walk(k, w, u, f, jnp.zeros((3, HV, K, V)), None, cs, cs, s, s, s, s[:2])
+        cuda.state_walk(k, w, u, f, h0, None, ct._replace(seg_order=s[:2]))
     A = jnp.zeros((NC, HV, 64, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="beta must be float32 \\[T, HV\\]"):
-        cuda.solve_a(k, f[:50], f, None, cs, cs)
+        cuda.solve_a(k, f[:50], f, None, ct)
     with pytest.raises(ValueError, match="multiple of H"):
-        cuda.solve_a(k, f[:, :5], f[:, :5], None, cs, cs)
+        cuda.solve_a(k, f[:, :5], f[:, :5], None, ct)
     with pytest.raises(ValueError, match="G must"):
-        cuda.solve_a(k, f, f[:, :3], None, cs, cs)
+        cuda.solve_a(k, f, f[:, :3], None, ct)
     with pytest.raises(ValueError, match="K = 32"):
-        cuda.solve_a(jnp.zeros((T, H, 32), jnp.bfloat16), f, f, None, cs, cs)
-    h0 = jnp.zeros((3, HV, K, V))
-    replay = lambda kk=k, vv=v, A=A, h0=h0, so=s: cuda.replay(kk, vv, f, A, f, h0, None, cs, cs,
-                                                              s, s, s, so)
+        cuda.solve_a(jnp.zeros((T, H, 32), jnp.bfloat16), f, f, None, ct)
+    replay = lambda kk=k, vv=v, A=A, h0=h0, ct=ct: cuda.replay(kk, vv, f, f, A, h0, None, ct)
     with pytest.raises(ValueError, match="v must have k's dtype"):
         replay(vv=v.astype(jnp.float32))
     with pytest.raises(ValueError, match="A must be bfloat16 .as the cuda prep / solve_a"):
@@ -350,9 +352,9 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="h0 must have shape"):
         replay(h0=h0[:2])
     with pytest.raises(ValueError, match="seg_order must have 3 entries"):
-        replay(so=s[:2])
+        replay(ct=ct._replace(seg_order=s[:2]))
     walk_output = lambda q=k, kk=k, vv=v, A=A, h0=h0, rq=None, dt=jnp.bfloat16: cuda.walk_output(
-        q, kk, vv, f, A, f, h0, rq, None, cs, cs, s, s, s, s, scale=1.0, out_dtype=dt)
+        q, kk, vv, f, A, f, h0, rq, None, ct, scale=1.0, out_dtype=dt)
     with pytest.raises(ValueError, match="out_dtype"):
         walk_output(dt=jnp.float16)
     with pytest.raises(ValueError, match="k must have q's dtype"):
@@ -369,28 +371,28 @@ def test_bad_inputs_raise_value_error():
         walk_output(rq=jnp.zeros((T, H + 1), jnp.float32))
 
 
-
 def test_wrappers_check_the_limits_the_handlers_rely_on():
     """The handlers trust their arguments (cuda/handler.cuh): the wrappers check, at trace time,
     the positive head counts and the int32 sizes the kernels index with, as well as shapes."""
     sds = jax.ShapeDtypeStruct
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     one = jnp.zeros((1,), i32)
+    ct1 = _ct(one, one, one, one, one, one)
 
     def raises(msg, f, *args):
         with pytest.raises(ValueError, match=re.escape(msg)):
             jax.eval_shape(f, *args)
 
     raises("solve_a: HV = 65536 must be below 65536",
-           lambda k, b: cuda.solve_a(k, b, b, None, one, one),
+           lambda k, b: cuda.solve_a(k, b, b, None, ct1),
            sds((64, 1, 64), bf), sds((64, 65536), f32))
     raises("l2norm_bwd: H = 0 and HV = 6 must be positive",
            lambda dy, x: cuda.l2norm_bwd(dy, x, None), sds((8, 6, 64), f32), sds((8, 0, 64), bf))
     raises("l2norm_rstd: K must be positive", cuda.l2norm_rstd, sds((8, 2, 0), bf))
     raises("gate_cumsum: HV = 1048577 must be at most 2^20",
-           lambda g: cuda.gate_cumsum(g, one, one), sds((1, 2**20 + 1), f32))
+           lambda g: cuda.gate_cumsum(g, ct1), sds((1, 2**20 + 1), f32))
     raises("gate_cumsum: NC = 2147483648 must be below 2^31",
-           lambda cs: cuda.gate_cumsum(jnp.zeros((1, 1)), cs, cs), sds((2**31,), i32))
+           lambda cs: cuda.gate_cumsum(jnp.zeros((1, 1)), _ct(cs, cs)), sds((2**31,), i32))
     raises("conv_fwd: C = 2097121 must be at most 65535 * 32",
            lambda x: cuda.conv_fwd(x, jnp.zeros((x.shape[1], 4)), jnp.zeros((1,), i32)),
            sds((1, 65535 * 32 + 1), bf))
@@ -398,18 +400,18 @@ def test_wrappers_check_the_limits_the_handlers_rely_on():
     k, v, th = sds((T, H, K), bf), sds((T, HV, K), bf), sds((T, HV), f32)
     A, h0, none = sds((1, HV, 64, 64), bf), sds((1, HV, K, K), f32), jnp.zeros((0,), i32)
     raises("replay: seg_len must have at least one entry",
-           lambda k, v, b, A: cuda.replay(k, v, b, A, b, jnp.zeros((0, HV, K, K)), None, one,
-                                          one, none, none, none, none), k, v, th, A)
+           lambda k, v, b, A: cuda.replay(k, v, b, b, A, jnp.zeros((0, HV, K, K)), None,
+                                          _ct(one, one, none, none, none, none)), k, v, th, A)
     raises("transfer: b_seg must have at least one entry",
-           lambda k, v, b, A, h0: cuda.transfer(k, v, b, A, b, h0, None, one, one, one, one, one,
-                                                none, none), k, v, th, A, h0)
+           lambda k, v, b, A, h0: cuda.transfer(k, v, b, b, A, h0, None, ct1, none, none),
+           k, v, th, A, h0)
     raises("transfer_bwd: unit_seg must have at least one entry",
-           lambda q, w, b, do, df: cuda.transfer_bwd(q, q, w, b, do, df, None, None, one, one, one,
-                                                     one, one, none, scale=1.0),
+           lambda q, w, b, do, df: cuda.transfer_bwd(q, q, w, b, do, df, None, None, ct1, none,
+                                                     scale=1.0),
            k, sds((T, HV, K), bf), th, v, h0)
     raises("walk_bwd: S * HV * V / 64 = 2147483648 must be below 2^31",
-           lambda q, w, b, do, df, s: cuda.walk_bwd(q, q, w, b, do, df, None, None, one, one, s,
-                                                    s, s, s, scale=1.0),
+           lambda q, w, b, do, df, s: cuda.walk_bwd(q, q, w, b, do, df, None, None, None,
+                                                    _ct(one, one, s, s, s, s), scale=1.0),
            k, sds((T, HV, K), bf), th, v, sds((2**30, HV, K, K), f32), sds((2**30,), i32))
 
 
@@ -452,7 +454,7 @@ def test_gpu_primitives_match_xla(cfg):
         assert e <= TOL, (key, e)
     assert errs["A"] <= A_TOL, errs["A"]
     for key in ("A~solve_a", "final~rev", "walk_output.o~rev", "replay.w~sep",
-                "replay.h~sep", "replay.v_new~sep", "replay.final~sep", "walk_output_tapes.h",
+                "replay.h~sep", "replay.v_new~sep", "walk_output_tapes.h",
                 "walk_output_tapes.v_new", "walk_output_tapes.w", "walk_output_tapes.final",
                 "walk_output_tapes.o"):
         assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
@@ -510,9 +512,10 @@ _POISON_CHECK = textwrap.dedent("""
     f = jnp.zeros((T, 2), jnp.float32)
     # tokens 64..127 and 192.. are in no chunk of the table (which has an unused slot too: A = I
     # there, no token rows); k.k = 1 and beta = 0.5 keep A bounded
+    from test_cuda_fwd import _ct
+    ct = _ct(jnp.asarray([0, 128, T], jnp.int32), jnp.asarray([64, 64, 0], jnp.int32))
     A, w, u = jax.jit(cuda.prep)(k * 0.125, jnp.ones((T, 2, 64), jnp.bfloat16), f + 0.5, f, None,
-                                 jnp.asarray([0, 128, T], jnp.int32),
-                                 jnp.asarray([64, 64, 0], jnp.int32))
+                                 ct)
     A, w, u = np.asarray(A), np.asarray(w), np.asarray(u)
     assert np.isfinite(A).all() and np.array_equal(A[2], np.broadcast_to(np.eye(64), (2, 64, 64)))
     for x in (w, u):

@@ -62,10 +62,7 @@ class Primitives(NamedTuple):
     transfer_bwd: Callable
 
 
-XLA = Primitives("xla", xla.gate_cumsum, xla.l2norm_rstd, xla.prep, xla.solve_a,
-                 xla.state_walk, xla.replay, xla.output, xla.walk_bwd, xla.chunk_bwd,
-                 xla.walk_chunk_bwd, xla.walk_output, xla.nan_unless, xla.transfer,
-                 xla.transfer_bwd)
+XLA = Primitives("xla", **{name: getattr(xla, name) for name in Primitives._fields[1:]})
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
 CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "solve_a", "state_walk", "replay",
@@ -76,69 +73,9 @@ BACKENDS = ("xla", "cuda")
 
 @functools.cache
 def _cuda_primitives() -> Primitives:
-    from . import cuda
+    from . import cuda  # its wrappers take the primitives' arguments, as xla's
 
-    def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale, out_dtype,
-                    tapes=False):
-        out = cuda.walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct.start, ct.length,
-                               ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order,
-                               scale=scale, out_dtype=out_dtype, tapes=tapes)
-        if not tapes:
-            return out
-        o, final, h, v_new, w = out
-        return o, final, w, None, h, v_new  # u stays on chip, as in replay
-
-    def replay(k, v, beta, G, A, h0, rstd_k, ct):
-        h, v_new, w, _ = cuda.replay(k, v, beta, A, G, h0, rstd_k, ct.start, ct.length,
-                                     ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order)
-        return w, None, h, v_new  # u stays on chip: chunk_bwd does not read it (below)
-
-    def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct, *, scale):
-        del scores  # Att is recomputed (module docstring)
-        return cuda.walk_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, ct.start, ct.length,
-                             ct.seg_first, ct.seg_last, ct.seg_len, ct.seg_order, scale=scale)
-
-    def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd_q, rstd_k,
-                  ct, *, scale, deterministic=True):
-        del w, u, scores  # w, u enter only via h, v_new; Att is recomputed (module docstring)
-        return cuda.chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k,
-                              ct.start, ct.length, scale=scale, deterministic=deterministic)
-
-    def walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do, dfinal, rstd_q, rstd_k, ct, *,
-                       scale, deterministic=True):
-        del u  # as chunk_bwd
-        return cuda.walk_chunk_bwd(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rstd_q, rstd_k,
-                                   ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len,
-                                   ct.seg_order, scale=scale, deterministic=deterministic)
-
-    def transfer(k, v, beta, G, A, h0, rstd_k, ct, m_seg, b_seg):
-        return cuda.transfer(k, v, beta, A, G, h0, rstd_k, ct.start, ct.length, ct.seg_first,
-                             ct.seg_last, ct.seg_len, m_seg, b_seg)
-
-    def transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, ct, seg, *, scale):
-        return cuda.transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, ct.start, ct.length,
-                                 ct.seg_first, ct.seg_last, ct.seg_len, seg, scale=scale)
-
-    return XLA._replace(
-        name="cuda",
-        gate_cumsum=lambda g, ct: cuda.gate_cumsum(g, ct.start, ct.length),
-        l2norm_rstd=cuda.l2norm_rstd,
-        prep=lambda k, v, beta, G, rstd_k, ct: cuda.prep(k, v, beta, G, rstd_k, ct.start,
-                                                         ct.length),
-        solve_a=lambda k, beta, G, rstd_k, ct: cuda.solve_a(k, beta, G, rstd_k, ct.start,
-                                                            ct.length),
-        state_walk=lambda k, w, u, G, h0, rstd_k, ct: cuda.state_walk(
-            k, w, u, G, h0, rstd_k, ct.start, ct.length, ct.seg_first, ct.seg_last, ct.seg_len,
-            ct.seg_order),
-        replay=replay,
-        walk_output=walk_output,
-        walk_bwd=walk_bwd,
-        chunk_bwd=chunk_bwd,
-        walk_chunk_bwd=walk_chunk_bwd,
-        nan_unless=cuda.nan_unless,
-        transfer=transfer,
-        transfer_bwd=transfer_bwd,
-    )
+    return XLA._replace(name="cuda", **{name: getattr(cuda, name) for name in CUDA_KERNELS})
 
 
 def cuda_ready() -> bool:

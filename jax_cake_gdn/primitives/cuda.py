@@ -196,46 +196,38 @@ def _below_2_31(fn: str, *sizes) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def gate_cumsum(g, chunk_start, chunk_len):
+def gate_cumsum(g, ct):
     """Chunk-local inclusive cumsum of the gate: G[s + t, h] = sum_{u <= t} g[s + u, h].
 
-    g: f32[T, HV]; chunk_start, chunk_len: int32[NC] (0 <= chunk_len <= 64, the used chunks cover
-    every token exactly once; chunk_len == 0 marks an unused chunk, whose start may be T).
-    Returns f32[T, HV]. Sequential f32 sum per (chunk, head): deterministic.
+    g: f32[T, HV]; ct: the chunk table (chunks.ChunkTable; its start and length, int32[NC]:
+    0 <= length <= 64, the used chunks cover every token exactly once; length 0 marks an unused
+    chunk, whose start may be T). Returns f32[T, HV]. Sequential f32 sum per (chunk, head):
+    deterministic.
     """
+    fn = "gate_cumsum"
     g = jnp.asarray(g)
-    chunk_start = jnp.asarray(chunk_start)
-    chunk_len = jnp.asarray(chunk_len)
-    _check(g.ndim == 2, f"gate_cumsum: g must be [T, HV], got shape {g.shape}")
-    _check(g.dtype == np.float32, f"gate_cumsum: g must be float32, got {g.dtype}")
-    for name, a in (("chunk_start", chunk_start), ("chunk_len", chunk_len)):
-        _check(a.ndim == 1, f"gate_cumsum: {name} must be [NC], got shape {a.shape}")
-        _check(a.dtype == np.int32, f"gate_cumsum: {name} must be int32, got {a.dtype}")
-    _check(
-        chunk_start.shape == chunk_len.shape,
-        f"gate_cumsum: chunk_start {chunk_start.shape} and chunk_len {chunk_len.shape} differ",
-    )
-    _check(g.shape[1] <= 1 << 20, f"gate_cumsum: HV = {g.shape[1]} must be at most 2^20")
-    _below_2_31("gate_cumsum", ("NC", chunk_start.shape[0]))
-    return _call("gate_cumsum", [(g.shape, jnp.float32)], g, chunk_start, chunk_len)[0]
+    _check(g.ndim == 2, f"{fn}: g must be [T, HV], got shape {g.shape}")
+    _check(g.dtype == np.float32, f"{fn}: g must be float32, got {g.dtype}")
+    _check(g.shape[1] <= 1 << 20, f"{fn}: HV = {g.shape[1]} must be at most 2^20")
+    return _call(fn, [(g.shape, jnp.float32)], g, *_table(fn, ct))[0]
 
 
 # ------------------------------------------------------------------------------------------------
-# Forward kernels (cuda/prep.cu, walk_fwd.cu, transfer.cu, l2norm.cu). Interfaces follow
-# primitives/xla.py with the chunk table passed as arrays, but A, w, u, v_new and the
-# state tape h are bfloat16 (the f32 values rounded to nearest: every kernel that reads them uses
-# them as bf16 operands, u as the start of an f32 accumulator), as is the backward's dS_end. The
-# cuda primitives therefore do not mix with the xla ones at these arrays without a cast
+# The kernels of the primitives (cuda/prep.cu, walk_fwd.cu, transfer.cu, l2norm.cu; the backward
+# in walk_bwd.cu, chunk_bwd.cu, walk_chunk_bwd.cu). Each wrapper takes its primitive's arguments
+# as primitives/xla.py does (`ct` the chunk table), but A, w, u, v_new, the state tape h and the
+# backward's dS_end and dvn are bfloat16 (the f32 values rounded to nearest: every kernel that
+# reads them uses them as bf16 operands, u as the start of an f32 accumulator). The cuda
+# primitives therefore do not mix with the xla ones at these arrays without a cast
 # (primitives/__init__.py: one backend per call). q/k/v may be bfloat16 or float32 (same
 # dtype); matrix products run on bf16 tensor cores with float32 accumulation.
 # ------------------------------------------------------------------------------------------------
 
-SUPPORTED_DIMS = (64, 128)  # head dims K and V the forward kernels are instantiated for
+SUPPORTED_DIMS = (64, 128)  # head dims K and V the kernels are instantiated for
 _CHUNK = 64
 _QKV_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
-# An absent optional operand (no L2 norm): f32[1].
-# Not f32[0]: a zero-size custom-call operand crashes XLA's SPMD partitioner (shardy) under
-# shard_map (jax 0.11.2).
+# An absent optional operand (no L2 norm): f32[1]. Not f32[0]: a zero-size custom-call operand
+# crashes XLA's SPMD partitioner (shardy) under shard_map (jax 0.11.2).
 _ABSENT = np.zeros((1,), np.float32)
 _A_FROM = "as the cuda prep / solve_a return it"
 _W_FROM = "as the cuda prep / replay return it"
@@ -243,7 +235,7 @@ _VNEW_FROM = "as the cuda state_walk returns it"
 
 
 def supports(K: int, V: int) -> bool:
-    """True when the cuda forward kernels handle head dims K (q/k) and V (v)."""
+    """True when the cuda kernels handle head dims K (q/k) and V (v)."""
     return int(K) in SUPPORTED_DIMS and int(V) in SUPPORTED_DIMS
 
 
@@ -273,13 +265,13 @@ def _qk(fn: str, q, k):
     return q, k
 
 
-def _tokens_v(fn: str, name: str, x, T: int, dtype: str = "float32"):
-    """Rank and token count of a [T, HV, V] array whose HV and V the caller reads (its dtype,
-    named in the message, is checked afterwards)."""
-    x = jnp.asarray(x)
-    _check(x.ndim == 3 and x.shape[0] == T,
-           f"{fn}: {name} must be {dtype} [T, HV, V], got {x.shape}")
-    return x
+def _tokens(fn: str, name: str, x, T: int, like, like_name: str):
+    """A [T, HV, V] array (v, do) in the dtype of `like` (named like_name): (x, HV, V)."""
+    x = _qkv(fn, name, x)
+    _check(x.shape[0] == T, f"{fn}: {name} must be [T, HV, V] with T = {T}, got {x.shape}")
+    _check(x.dtype == like.dtype,
+           f"{fn}: {name} must have {like_name}'s dtype {like.dtype}, got {x.dtype}")
+    return x, x.shape[1], x.shape[2]
 
 
 def _out_dtype(fn: str, out_dtype):
@@ -329,23 +321,27 @@ def _heads(fn: str, H: int, HV: int) -> None:
     _check(HV < 65536, f"{fn}: HV = {HV} must be below 65536")
 
 
-def _table(fn: str, chunk_start, chunk_len):
-    cs = _i32(fn, "chunk_start", chunk_start)
-    cl = _i32(fn, "chunk_len", chunk_len, cs.shape[0])
+def _table(fn: str, ct):
+    """The chunk table's arrays the kernels take: (chunk_start, chunk_len), int32[NC]."""
+    cs = _i32(fn, "chunk_start", ct.start)
+    cl = _i32(fn, "chunk_len", ct.length, cs.shape[0])
     _below_2_31(fn, ("NC", cs.shape[0]))
     return cs, cl
 
 
-def _segments(fn: str, seg_first, seg_last, seg_len, seg_order):
-    """The walks' segment table: (seg_first, seg_last, seg_len, seg_order), int32 [S] each;
-    seg_order must be a permutation of 0..S-1 (chunks.py: longest segment first; a segment it
-    leaves out is not walked)."""
-    sl = _i32(fn, "seg_len", seg_len)
+def _segments(fn: str, ct):
+    """The walks' segment table: (seg_first, seg_last, seg_len), int32[S] each, S >= 1."""
+    sl = _i32(fn, "seg_len", ct.seg_len)
     S = sl.shape[0]
     _check(S >= 1, f"{fn}: seg_len must have at least one entry")
-    return (_i32(fn, "seg_first", seg_first, S), _i32(fn, "seg_last", seg_last, S), sl,
-            _i32(fn, "seg_order", seg_order, S))
+    return _i32(fn, "seg_first", ct.seg_first, S), _i32(fn, "seg_last", ct.seg_last, S), sl
 
+
+def _tables(fn: str, ct):
+    """Both tables and seg_order, the segment each walk CTA takes (a permutation of 0..S-1:
+    chunks.py puts the longest segment first; a segment it leaves out is not walked)."""
+    seg = _segments(fn, ct)
+    return _table(fn, ct) + seg + (_i32(fn, "seg_order", ct.seg_order, seg[0].shape[0]),)
 
 
 def l2norm_rstd(x):
@@ -378,35 +374,35 @@ def l2norm_bwd(dy, x, rstd):
     return _call(fn, [(x.shape, x.dtype)], dy, x, r)[0]
 
 
-def _v_like(fn, v, k):
-    """v [T, HV, V] with k's T and dtype (checked): (v, HV, V)."""
-    v = _qkv(fn, "v", v)
-    T = k.shape[0]
-    _check(v.shape[0] == T, f"{fn}: v must be [T, HV, V] with T = {T}, got {v.shape}")
-    _check(v.dtype == k.dtype, f"{fn}: v must have k's dtype {k.dtype}, got {v.dtype}")
-    return v, v.shape[1], v.shape[2]
-
-
-def _v_beta_g(fn, k, v, beta, G):
-    """Checks of v (k's dtype, supported dims, GVA heads), beta and G f32[T, HV] against a
-    checked k: (v, beta, G)."""
-    T, H, K = k.shape
-    v, HV, V = _v_like(fn, v, k)
-    _check_dims(fn, K=K, V=V)
-    _heads(fn, H, HV)
-    return v, _f32(fn, "beta", beta, (T, HV)), _f32(fn, "G", G, (T, HV))
-
-
-def _prep_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len):
-    """prep's checks: (k, v, beta, G, rstd_k or its placeholder, cs, cl)."""
+def _k_inputs(fn, k, beta, G, rstd_k, ct, HV=None):
+    """k bf16/f32 [T, H, K] (K supported), beta and G f32[T, HV] (HV from beta unless given),
+    rstd_k, the chunk table: (k, beta, G, rstd_k or its placeholder, (cs, cl))."""
     k = _qkv(fn, "k", k)
-    v, beta, G = _v_beta_g(fn, k, v, beta, G)
-    r = _rstd(fn, "rstd_k", rstd_k, k.shape[0], k.shape[1])
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    return k, v, beta, G, r, cs, cl
+    T, H, K = k.shape
+    _check_dims(fn, K=K)
+    if HV is None:
+        beta = jnp.asarray(beta)
+        _check(beta.ndim == 2 and beta.shape[0] == T,
+               f"{fn}: beta must be float32 [T, HV] with T = {T}, got {beta.shape}")
+        HV = beta.shape[1]
+    _heads(fn, H, HV)
+    beta = _f32(fn, "beta", beta, (T, HV))
+    G = _f32(fn, "G", G, (T, HV))
+    return k, beta, G, _rstd(fn, "rstd_k", rstd_k, T, H), _table(fn, ct)
 
 
-def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
+def solve_a(k, beta, G, rstd_k, ct):
+    """A bf16[NC, HV, 64, 64] alone: `prep`'s A bit for bit (the same kernel with w and u left
+    out), for the light forward, whose walk makes w and u itself (`walk_output`). k bf16/f32
+    [T, H, K]; beta, G f32[T, HV] (HV from beta); rstd_k f32[T, H] or None."""
+    fn = "solve_a"
+    k, beta, G, r, tab = _k_inputs(fn, k, beta, G, rstd_k, ct)
+    NC, HV = tab[0].shape[0], beta.shape[1]
+    _below_2_31(fn, ("NC * HV", NC * HV))
+    return _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16)], k, beta, G, r, *tab)[0]
+
+
+def prep(k, v, beta, G, rstd_k, ct):
     """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1 bf16[NC, HV, 64, 64] (computed in f32,
     rounded to nearest: the walks and chunk_bwd use it only as a bf16 operand), then
     w = A diag(beta e^G) K bf16[T, HV, K] (likewise rounded: the walks' operand) and
@@ -415,185 +411,148 @@ def prep(k, v, beta, G, rstd_k, chunk_start, chunk_len):
     u = bf16(A diag(beta)) V with K, V as bf16 operands (k unnormalised), so w and u are bitwise
     what `replay` makes from this A (the light backward)."""
     fn = "prep"
-    k, v, beta, G, r, cs, cl = _prep_inputs(fn, k, v, beta, G, rstd_k, chunk_start, chunk_len)
-    T, _, K = k.shape
-    HV, V = v.shape[1], v.shape[2]
-    NC = cs.shape[0]
+    k = _qkv(fn, "k", k)
+    v, HV, V = _tokens(fn, "v", v, k.shape[0], k, "k")
+    _check_dims(fn, V=V)
+    k, beta, G, r, tab = _k_inputs(fn, k, beta, G, rstd_k, ct, HV)
+    (T, _, K), NC = k.shape, tab[0].shape[0]
     _below_2_31(fn, ("NC * HV", NC * HV))
     A, w, u = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((T, HV, K), jnp.bfloat16),
-                         ((T, HV, V), jnp.bfloat16)], k, v, beta, G, r, cs, cl)
+                         ((T, HV, V), jnp.bfloat16)], k, v, beta, G, r, *tab)
     return A, w, u
 
 
-def solve_a(k, beta, G, rstd_k, chunk_start, chunk_len):
-    """A bf16[NC, HV, 64, 64] alone: `prep`'s A bit for bit (the same kernel with w and u left
-    out), for the light forward, whose walk makes w and u itself (`walk_output`). k bf16/f32
-    [T, H, K]; beta, G f32[T, HV] (HV from beta); rstd_k f32[T, H] or None."""
-    fn = "solve_a"
+def state_walk(k, w, u, G, h0, rstd_k, ct):
+    """Walk each segment's chunks in order from its entry state h0 [S, HV, K, V].
+
+    w, u: bfloat16 [T, HV, K], [T, HV, V] as `prep` returns them. Returns h bfloat16
+    [NC, HV, K, V] (the state entering each chunk, rounded to nearest from the walk's f32 state:
+    the value `chunk_bwd` uses as an operand), v_new bfloat16 [T, HV, V] (likewise rounded from
+    f32) and the exit state of each segment float32 [S, HV, K, V] (h0 itself for an empty
+    segment). xla.state_walk returns the same h and v_new in float32.
+    """
+    fn = "state_walk"
     k = _qkv(fn, "k", k)
     T, H, K = k.shape
-    _check_dims(fn, K=K)
-    beta = jnp.asarray(beta)
-    _check(beta.ndim == 2 and beta.shape[0] == T,
-           f"{fn}: beta must be float32 [T, HV] with T = {T}, got {beta.shape}")
-    HV = beta.shape[1]
-    _heads(fn, H, HV)
-    beta = _f32(fn, "beta", beta, (T, HV))
-    G = _f32(fn, "G", G, (T, HV))
-    r = _rstd(fn, "rstd_k", rstd_k, T, H)
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    NC = cs.shape[0]
-    _below_2_31(fn, ("NC * HV", NC * HV))
-    return _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16)], k, beta, G, r, cs, cl)[0]
-
-
-def _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start, chunk_len, seg_first, seg_last,
-                 seg_len, seg_order):
-    """state_walk's checks of (w, u, G, h0, the chunk table, the segment table). HV and V come
-    from u [T, HV, V]."""
-    u = _tokens_v(fn, "u", u, T)
+    u = jnp.asarray(u)
+    _check(u.ndim == 3 and u.shape[0] == T, f"{fn}: u must be bfloat16 [T, HV, V], got {u.shape}")
     HV, V = u.shape[1], u.shape[2]
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
     u = _bf16(fn, "u", u, (T, HV, V), _W_FROM)
     w = _bf16(fn, "w", w, (T, HV, K), _W_FROM)
     G = _f32(fn, "G", G, (T, HV))
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    sf, sla, sl, so = _segments(fn, seg_first, seg_last, seg_len, seg_order)
-    h0 = _f32(fn, "h0", h0, (sl.shape[0], HV, K, V))
-    _below_2_31(fn, ("T", T), ("S * HV", sl.shape[0] * HV))
-    return w, u, G, h0, cs, cl, sf, sla, sl, so
-
-
-def state_walk(k, w, u, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len,
-               seg_order):
-    """Walk each segment's chunks in order from its entry state h0 [S, HV, K, V].
-
-    w: bfloat16 [T, HV, K] as `prep` returns it. Returns h bfloat16 [NC, HV, K, V] (the state
-    entering each chunk, rounded to nearest from the walk's f32 state: the value `chunk_bwd`
-    uses as an operand), v_new bfloat16 [T, HV, V] (likewise rounded from f32) and the
-    exit state of each segment float32 [S, HV, K, V] (h0 itself for an empty segment).
-    xla.state_walk returns the same h and v_new in float32.
-    """
-    fn = "state_walk"
-    k = _qkv(fn, "k", k)
-    T, H, K = k.shape
-    w, u, G, h0, cs, cl, sf, sla, sl, so = _walk_inputs(fn, T, H, K, w, u, G, h0, chunk_start,
-                                                         chunk_len, seg_first, seg_last, seg_len,
-                                                         seg_order)
-    HV, V = u.shape[1], u.shape[2]
-    NC, S = cs.shape[0], sl.shape[0]
+    tab = _tables(fn, ct)
+    NC, S = tab[0].shape[0], tab[4].shape[0]
+    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
+    _below_2_31(fn, ("T", T), ("S * HV", S * HV))
     r = _rstd(fn, "rstd_k", rstd_k, T, H)
     return tuple(_call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
-                            ((S, HV, K, V), jnp.float32)],
-                       k, w, u, G, h0, r, cs, cl, sf, sla, sl, so))
+                            ((S, HV, K, V), jnp.float32)], k, w, u, G, h0, r, *tab))
 
 
-def _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len, seg_first, seg_last, seg_len,
-                   seg_order):
-    """The checks of the walks that make w, u from A (walk_output, replay), k checked already:
-    (v, beta, A, G, h0, the chunk and segment tables)."""
-    v, beta, G = _v_beta_g(fn, k, v, beta, G)
-    K, (HV, V) = k.shape[2], v.shape[1:]
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    A = _bf16(fn, "A", A, (cs.shape[0], HV, _CHUNK, _CHUNK), _A_FROM)
-    seg = _segments(fn, seg_first, seg_last, seg_len, seg_order)
-    S = seg[0].shape[0]
+def _from_a_inputs(fn, k, v, beta, A, G, h0, rstd_k, ct, seg_order=True):
+    """The checks of the walks that make w, u from A (walk_output, replay, transfer), k checked
+    already: (v, beta, A, G, h0, rstd_k or its placeholder, the tables (seg_order too unless
+    seg_order=False))."""
+    (T, H, K), NC = k.shape, None
+    v, HV, V = _tokens(fn, "v", v, T, k, "k")
+    _check_dims(fn, K=K, V=V)
+    _heads(fn, H, HV)
+    beta = _f32(fn, "beta", beta, (T, HV))
+    G = _f32(fn, "G", G, (T, HV))
+    tab = _tables(fn, ct) if seg_order else _table(fn, ct) + _segments(fn, ct)
+    NC, S = tab[0].shape[0], tab[4].shape[0]
+    A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
     h0 = _f32(fn, "h0", h0, (S, HV, K, V))
-    _below_2_31(fn, ("T", k.shape[0]), ("S * HV", S * HV), ("NC * HV * 64", cs.shape[0] * HV * 64))
-    return v, beta, A, G, h0, (cs, cl) + seg
+    _below_2_31(fn, ("T", T), ("S * HV", S * HV), ("NC * HV * 64", NC * HV * _CHUNK))
+    return v, beta, A, G, h0, _rstd(fn, "rstd_k", rstd_k, T, H), tab
 
 
-def replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len,
-           seg_order):
+def replay(k, v, beta, G, A, h0, rstd_k, ct):
     """`state_walk` on `prep`'s w, u, made on chip from A (the light backward's replay): the
     kernel rounds A diag(beta e^G rstd) and A diag(beta) to bf16 and multiplies k and v by them
-    in the order prep does, so h, v_new, w and the exit states are bit for bit those of
-    `state_walk` on prep's w, u (u stays on chip).
+    in the order prep does, so h, v_new and w are bit for bit those of `state_walk` on prep's
+    w, u.
 
     k, v: bf16/f32 (same dtype; k [T, H, K], v [T, HV, V]); beta, G f32[T, HV]; A
-    bf16[NC, HV, 64, 64] as `solve_a` / `prep` return it; h0, rstd_k and the tables as
-    `state_walk`. Returns h bf16[NC, HV, K, V], v_new bf16[T, HV, V], w bf16[T, HV, K] and the
-    exit states f32[S, HV, K, V].
+    bf16[NC, HV, 64, 64] as `solve_a` / `prep` return it; h0, rstd_k and the table as
+    `state_walk`. Returns w bf16[T, HV, K], None (u stays on chip: chunk_bwd does not read it),
+    h bf16[NC, HV, K, V] and v_new bf16[T, HV, V], as xla.replay; the kernel's exit states are
+    not returned (walk_output's are the same).
     """
     fn = "replay"
     k = _qkv(fn, "k", k)
-    T, H, K = k.shape
-    v, beta, A, G, h0, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len,
-                                            seg_first, seg_last, seg_len, seg_order)
-    NC, HV, S, V = A.shape[0], A.shape[1], h0.shape[0], v.shape[2]
-    r = _rstd(fn, "rstd_k", rstd_k, T, H)
-    return tuple(_call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
-                            ((T, HV, K), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
-                       k, v, beta, A, G, h0, r, *tab))
+    v, beta, A, G, h0, r, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, rstd_k, ct)
+    (T, _, K), (NC, HV), S, V = k.shape, A.shape[:2], h0.shape[0], v.shape[2]
+    h, v_new, w, _ = _call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
+                                ((T, HV, K), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
+                           k, v, beta, A, G, h0, r, *tab)
+    return w, None, h, v_new
 
 
-def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
-                seg_last, seg_len, seg_order, *, scale: float, out_dtype, tapes: bool = False):
-    """w, u from A, state_walk and output in one kernel (the light forward): w, u, h and v_new never
-    leave the chip, unless `tapes` (the full forward: the same walk also stores them).
+def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale: float, out_dtype,
+                tapes: bool = False):
+    """w, u from A, state_walk and output in one kernel (the light forward): w, u, h and v_new
+    never leave the chip, unless `tapes` (the full forward: the same walk also stores them).
 
     q, k, v: bf16/f32 (same dtype; q, k [T, H, K], v [T, HV, V]); beta f32[T, HV]; A
-    bf16[NC, HV, 64, 64] as `solve_a` returns it; G, h0, rstd_k and the tables as `state_walk`;
+    bf16[NC, HV, 64, 64] as `solve_a` returns it; G, h0, rstd_k and the table as `state_walk`;
     rstd_q f32[T, H] or None. The kernel makes w = bf16(A diag(beta e^G r)) K and
-    u = bf16(A diag(beta)) V as bf16 on chip, as prep does, and takes q, k unnormalised
-    (the rstd factors go on accumulators and v_new). Returns o
-    [T, HV, V] in out_dtype and the exit state of each segment f32[S, HV, K, V]
-    (as `state_walk`); with `tapes` also h bf16[NC, HV, K, V], v_new bf16[T, HV, V] and
-    w bf16[T, HV, K], bit for bit `replay`'s (o and the exit states bit for bit those without).
+    u = bf16(A diag(beta)) V as bf16 on chip, as prep does, and takes q, k unnormalised (the
+    rstd factors go on accumulators and v_new). Returns o [T, HV, V] in out_dtype and the exit
+    state of each segment f32[S, HV, K, V]; with `tapes` also w bf16[T, HV, K], None (u),
+    h bf16[NC, HV, K, V] and v_new bf16[T, HV, V], as xla.walk_output: bit for bit `replay`'s
+    (o and the exit states bit for bit those without).
     """
     fn = "walk_output"
     q, k = _qk(fn, q, k)
-    T, H, K = q.shape
-    v, beta, A, G, h0, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, chunk_start, chunk_len,
-                                            seg_first, seg_last, seg_len, seg_order)
-    NC, HV, S, V = A.shape[0], A.shape[1], h0.shape[0], v.shape[2]
+    v, beta, A, G, h0, rk, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, rstd_k, ct)
+    (T, H, K), (NC, HV), S, V = q.shape, A.shape[:2], h0.shape[0], v.shape[2]
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
-    rk = _rstd(fn, "rstd_k", rstd_k, T, H)
     out_dtype = _out_dtype(fn, out_dtype)
     results = [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)]
     if tapes:
         results += [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
                     ((T, HV, K), jnp.bfloat16)]
-    return tuple(_call("walk_output_tapes" if tapes else fn, results, q, k, v, beta, A, G, h0,
-                       rq, rk, *tab, scale=np.float32(scale)))
+    out = _call("walk_output_tapes" if tapes else fn, results, q, k, v, beta, A, G, h0, rq, rk,
+                *tab, scale=np.float32(scale))
+    if not tapes:
+        return tuple(out)
+    o, final, h, v_new, w = out
+    return o, final, w, None, h, v_new  # u stays on chip, as in replay
+
+
+def transfer(k, v, beta, G, A, h0, rstd_k, ct, m_seg, b_seg):
+    """The units' affine summaries (xla.transfer), one state-only walk: M f32[U, HV, K, K], the
+    transfer matrix of segment m_seg[u], and B f32[U, HV, K, V], the exit of segment b_seg[u]
+    from h0[b_seg[u]]; zero where the index is -1 (a CTA with nothing to summarise exits at
+    once). k, v, beta, G, A, h0, rstd_k and the table as `replay` takes them (its seg_order is
+    not read: the CTAs are (kind, unit, head)); m_seg, b_seg int32[U]. w, u are made on chip
+    from A as prep makes them; the state stays f32."""
+    fn = "transfer"
+    k = _qkv(fn, "k", k)
+    v, beta, A, G, h0, r, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, rstd_k, ct,
+                                               seg_order=False)
+    HV, K, V = A.shape[1], k.shape[2], v.shape[2]
+    b_seg = _i32(fn, "b_seg", b_seg)
+    U = b_seg.shape[0]
+    m_seg = _i32(fn, "m_seg", m_seg, U)
+    _check(U >= 1, f"{fn}: b_seg must have at least one entry")
+    _below_2_31(fn, ("2 U * HV", 2 * U * HV))
+    B, M = _call(fn, [((U, HV, K, V), jnp.float32), ((U, HV, K, K), jnp.float32)],
+                 k, v, beta, A, G, h0, r, *tab, jnp.concatenate([b_seg, m_seg]))
+    return M, B
 
 
 # ------------------------------------------------------------------------------------------------
 # Backward kernels (cuda/walk_bwd.cu, chunk_bwd.cu; both in one call: walk_chunk_bwd.cu).
-# Interfaces follow primitives/xla.py's backward primitives.
 # ------------------------------------------------------------------------------------------------
 
 
-def walk_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
-             seg_last, seg_len, seg_order, *, scale: float):
-    """Reverse walk for the state gradients (xla.walk_bwd with the chunk table as arrays).
-
-    q, k: bf16/f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
-    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; rstd_q, rstd_k f32[T, H] or
-    None. The scores Att are recomputed in the kernel.
-    Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
-    from the walk's f32 gradient: `chunk_bwd` uses it only as a bf16 operand; 0 for unused chunks;
-    xla.walk_bwd returns it in float32), dh0 f32[S, HV, K, V] (gradient of each segment's entry
-    state; dfinal for an empty one) and dvn bf16[NC, HV, 64, V] (gradient of each chunk's v_new
-    rows, padding rows and unused chunks 0: the walk's bf16 operand, which `chunk_bwd` reads
-    instead of recomputing it).
-    """
-    fn = "walk_bwd"
-    q, k, w, G, do, dfinal, rq, rk, tab = _walk_bwd_inputs(
-        fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
-        seg_len, seg_order)
-    (T, H, K), (HV, V), NC, S = q.shape, do.shape[1:], tab[0].shape[0], dfinal.shape[0]
-    _below_2_31(fn, ("NC * HV * K", NC * HV * K))
-    dS_end, dh0, dvn = _call(
-        fn, _walk_bwd_results(NC, S, HV, K, V), q, k, w, G, do, dfinal, rq, rk, *tab,
-        scale=np.float32(scale))
-    return dS_end, dh0, dvn
-
-
-def _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len,
-                     seg_first, seg_last, seg_len, seg_order):
-    """walk_bwd's checked and converted inputs; the tables as one tuple."""
+def _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, ct, slots="seg_order"):
+    """The reverse walk's checked and converted inputs: (q, k, w, G, do, dfinal, rstd_q, rstd_k,
+    the tables); slots="seg_order": seg_order among them, else the caller adds its own."""
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
     do = _qkv(fn, "do", do)
@@ -604,8 +563,7 @@ def _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, ch
     do = do.astype(q.dtype)
     w = _bf16(fn, "w", w, (T, HV, K), _W_FROM)
     G = _f32(fn, "G", G, (T, HV))
-    tab = _table(fn, chunk_start, chunk_len) + _segments(fn, seg_first, seg_last, seg_len,
-                                                         seg_order)
+    tab = _tables(fn, ct) if slots == "seg_order" else _table(fn, ct) + _segments(fn, ct)
     S = tab[4].shape[0]
     dfinal = _f32(fn, "dfinal", dfinal, (S, HV, K, V))
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
@@ -619,56 +577,51 @@ def _walk_bwd_results(NC, S, HV, K, V):  # dS_end, dh0, dvn
             ((NC, HV, _CHUNK, V), jnp.bfloat16)]
 
 
-def chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k, chunk_start,
-              chunk_len, *, scale: float, deterministic: bool = True):
-    """Everything after the reverse walk, parallel over (chunk, value head) (xla.chunk_bwd with
-    the chunk table as arrays; w, u and the saved scores are not needed: Att is recomputed).
+def walk_bwd(q, k, w, G, do, dfinal, scores, rstd_q, rstd_k, ct, *, scale: float):
+    """Reverse walk for the state gradients (xla.walk_bwd).
 
-    q, k: bf16/f32 [T, H, K]; v [T, HV, V] in q's dtype; do [T, HV, V] (cast to q's dtype: the
-    kernel rounds it to bf16 anyway); beta, G f32[T, HV]; A bf16[NC, HV, 64, 64] (as the cuda
-    `prep` returns it); h, dS_end
-    bf16[NC, HV, K, V] (as the cuda `state_walk` and `walk_bwd` return them; f32 ones from the xla
-    primitives must be cast first, which rounds them as this kernel did before it took bf16);
-    dvn bf16[NC, HV, 64, V] (as the cuda `walk_bwd` returns it); v_new bf16[T, HV, V] (as the
-    cuda `state_walk` returns it); rstd_q, rstd_k f32[T, H] or None. h, v_new, dS_end and dvn
-    enter every product as bf16 operands and e^{G_C} sum(dS_end o h) (dg) sums their bf16 values
-    in f32.
-    Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
-    The kernel gives dq, dk w.r.t. the normalised q, k and `l2norm_bwd` (a second kernel) applies
-    the L2-norm backward. deterministic=True: the kernel writes them per value head (f32[T, HV,
-    K]) and `l2norm_bwd` sums each GVA group in a fixed order. deterministic=False with H < HV:
-    the kernel adds the value heads of a group into f32[T, H, K] itself (atomic adds in the order
-    the CTAs reach them: dq, dk can differ in the last bits from run to run; an f32 hand-off H/HV
-    the size).
+    q, k: bf16/f32 [T, H, K]; w bf16[T, HV, K]; G f32[T, HV]; do [T, HV, V] (cast to q's dtype:
+    the kernel rounds it to bf16 anyway); dfinal f32[S, HV, K, V]; scores None (the kernel
+    recomputes Att); rstd_q, rstd_k f32[T, H] or None.
+    Returns dS_end bf16[NC, HV, K, V] (gradient of each chunk's exit state, rounded to nearest
+    from the walk's f32 gradient: `chunk_bwd` uses it only as a bf16 operand; 0 for unused chunks;
+    xla.walk_bwd returns it in float32), dh0 f32[S, HV, K, V] (gradient of each segment's entry
+    state; dfinal for an empty one) and dvn bf16[NC, HV, 64, V] (gradient of each chunk's v_new
+    rows, padding rows and unused chunks 0: the walk's bf16 operand, which `chunk_bwd` reads
+    instead of recomputing it).
     """
-    fn = "chunk_bwd"
-    q, k, v, beta, G, A, h, v_new, do, rq, rk, (cs, cl) = _chunk_bwd_inputs(
-        fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chunk_start, chunk_len)
-    (T, H, K), (HV, V), NC = q.shape, v.shape[1:], cs.shape[0]
-    dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
-    dvn = _bf16(fn, "dvn", dvn, (NC, HV, _CHUNK, V), "as the cuda walk_bwd returns it")
-    dQ, dK, dv, dg, dbeta = _call(
-        fn, _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic),
-        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, cs, cl, scale=np.float32(scale))
-    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
+    fn = "walk_bwd"
+    _check(scores is None, f"{fn}: scores must be None (the cuda kernel recomputes Att)")
+    q, k, w, G, do, dfinal, rq, rk, tab = _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q,
+                                                           rstd_k, ct)
+    K, (HV, V), NC, S = q.shape[2], do.shape[1:], tab[0].shape[0], dfinal.shape[0]
+    _below_2_31(fn, ("NC * HV * K", NC * HV * K))
+    return tuple(_call(fn, _walk_bwd_results(NC, S, HV, K, V), q, k, w, G, do, dfinal, rq, rk,
+                       *tab, scale=np.float32(scale)))
 
 
-def _chunk_bwd_results(T, H, HV, K, V, v_dtype, deterministic):  # dQ, dK, dv, dg, dbeta
-    f32 = jnp.float32
-    HQ = HV if deterministic else H  # the kernel sums the groups when HQ = H < HV
-    return [((T, HQ, K), f32), ((T, HQ, K), f32), ((T, HV, V), v_dtype), ((T, HV), f32),
-            ((T, HV), f32)]
+def transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, ct, seg, *, scale: float):
+    """The backward twin of `transfer` (xla.transfer_bwd): per unit u, the gradient of segment
+    seg[u]'s entry state from its exit gradient dfinal[s], f32 [U, HV, K, V] (zero where
+    seg[u] = -1): walk_bwd's reverse walk without its tapes. Inputs as `walk_bwd` takes them
+    (Att recomputed); seg int32[U] (the FFI's unit_seg)."""
+    fn = "transfer_bwd"
+    q, k, w, G, do, dfinal, rq, rk, tab = _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q,
+                                                           rstd_k, ct, slots="unit_seg")
+    HV, K, V = do.shape[1], q.shape[2], do.shape[2]
+    unit_seg = _i32(fn, "unit_seg", seg)
+    U = unit_seg.shape[0]
+    _check(U >= 1, f"{fn}: unit_seg must have at least one entry")
+    _below_2_31(fn, ("U * HV * V / 64", U * HV * (V // 64)))
+    return _call(fn, [((U, HV, K, V), jnp.float32)], q, k, w, G, do, dfinal, rq, rk, *tab,
+                 unit_seg, scale=np.float32(scale))[0]
 
 
-def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chunk_start,
-                      chunk_len):
+def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, ct):
     """chunk_bwd's checked and converted inputs (but dS_end, dvn); the table as one tuple."""
     q, k = _qk(fn, q, k)
     T, H, K = q.shape
-    v = _qkv(fn, "v", v)
-    _check(v.shape[0] == T, f"{fn}: v must be [T, HV, V] with T = {T}, got {v.shape}")
-    _check(v.dtype == q.dtype, f"{fn}: v must have q's dtype {q.dtype}, got {v.dtype}")
-    HV, V = v.shape[1], v.shape[2]
+    v, HV, V = _tokens(fn, "v", v, T, q, "q")
     _check_dims(fn, K=K, V=V)
     _heads(fn, H, HV)
     do = _qkv(fn, "do", do)
@@ -676,7 +629,7 @@ def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chu
     do = do.astype(q.dtype)
     beta = _f32(fn, "beta", beta, (T, HV))
     G = _f32(fn, "G", G, (T, HV))
-    cs, cl = _table(fn, chunk_start, chunk_len)
+    cs, cl = _table(fn, ct)
     NC = cs.shape[0]
     A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
     h = _bf16(fn, "h", h, (NC, HV, K, V), "the cuda state walk's tape")
@@ -687,24 +640,63 @@ def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chu
     return q, k, v, beta, G, A, h, v_new, do, rq, rk, (cs, cl)
 
 
-def walk_chunk_bwd(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rstd_q, rstd_k, chunk_start,
-                   chunk_len, seg_first, seg_last, seg_len, seg_order, *, scale: float,
-                   deterministic: bool = True):
-    """walk_bwd and chunk_bwd in one call (xla.walk_chunk_bwd with the
-    tables as arrays): the inputs as those two take them. chunk_bwd's CTAs start while the walk
-    runs (programmatic dependent launch; JAX_CAKE_GDN_PDL=0: after it), on the SMs its
-    longest-first schedule leaves idle, last chunk first, each waiting for its item's dS_end
-    and dvn (cuda/handoff.cuh). Each item is computed as chunk_bwd alone computes it: the
-    results are bit for bit the two calls' (deterministic=False: up to the order of the atomic
-    adds, as there).
+def _chunk_bwd_results(T, H, HV, K, V, v_dtype, deterministic):  # dQ, dK, dv, dg, dbeta
+    f32 = jnp.float32
+    HQ = HV if deterministic else H  # the kernel sums the groups when HQ = H < HV
+    return [((T, HQ, K), f32), ((T, HQ, K), f32), ((T, HV, V), v_dtype), ((T, HV), f32),
+            ((T, HV), f32)]
+
+
+def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd_q, rstd_k, ct,
+              *, scale: float, deterministic: bool = True):
+    """Everything after the reverse walk, parallel over (chunk, value head) (xla.chunk_bwd; w, u
+    and scores are not read: they enter only via h, v_new, and Att is recomputed).
+
+    q, k: bf16/f32 [T, H, K]; v [T, HV, V] in q's dtype; do [T, HV, V] (cast to q's dtype: the
+    kernel rounds it to bf16 anyway); beta, G f32[T, HV]; A bf16[NC, HV, 64, 64] (as the cuda
+    `prep` returns it); h, dS_end bf16[NC, HV, K, V] (as the cuda `state_walk` and `walk_bwd`
+    return them; f32 ones from the xla primitives must be cast first, which rounds them as this
+    kernel did before it took bf16); dvn bf16[NC, HV, 64, V] (as the cuda `walk_bwd` returns
+    it); v_new bf16[T, HV, V] (as the cuda `state_walk` returns it); rstd_q, rstd_k f32[T, H] or
+    None. h, v_new, dS_end and dvn enter every product as bf16 operands and e^{G_C}
+    sum(dS_end o h) (dg) sums their bf16 values in f32.
+    Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
+    The kernel gives dq, dk w.r.t. the normalised q, k and `l2norm_bwd` (a second kernel) applies
+    the L2-norm backward. deterministic=True: the kernel writes them per value head (f32[T, HV,
+    K]) and `l2norm_bwd` sums each GVA group in a fixed order. deterministic=False with H < HV:
+    the kernel adds the value heads of a group into f32[T, H, K] itself (atomic adds in the order
+    the CTAs reach them: dq, dk can differ in the last bits from run to run; an f32 hand-off H/HV
+    the size).
+    """
+    del w, u, scores
+    fn = "chunk_bwd"
+    q, k, v, beta, G, A, h, v_new, do, rq, rk, tab = _chunk_bwd_inputs(
+        fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, ct)
+    (T, H, K), (HV, V), NC = q.shape, v.shape[1:], tab[0].shape[0]
+    dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
+    dvn = _bf16(fn, "dvn", dvn, (NC, HV, _CHUNK, V), "as the cuda walk_bwd returns it")
+    dQ, dK, dv, dg, dbeta = _call(
+        fn, _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic),
+        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, *tab, scale=np.float32(scale))
+    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
+
+
+def walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do, dfinal, rstd_q, rstd_k, ct, *,
+                   scale: float, deterministic: bool = True):
+    """walk_bwd and chunk_bwd in one call (xla.walk_chunk_bwd; u is not read): the inputs as
+    those two take them. chunk_bwd's CTAs start while the walk runs (programmatic dependent
+    launch; JAX_CAKE_GDN_PDL=0: after it), on the SMs its longest-first schedule leaves idle, last
+    chunk first, each waiting for its item's dS_end and dvn (cuda/handoff.cuh). Each item is
+    computed as chunk_bwd alone computes it: the results are bit for bit the two calls'
+    (deterministic=False: up to the order of the atomic adds, as there).
     Returns (dq, dk, dv, dg, dbeta) as chunk_bwd and dh0 as walk_bwd returns them.
     """
+    del u
     fn = "walk_chunk_bwd"
     q, k, v, beta, G, A, h, v_new, do, rq, rk, _ = _chunk_bwd_inputs(
-        fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, chunk_start, chunk_len)
-    _, _, w, G, do, dfinal, _, _, tab = _walk_bwd_inputs(
-        fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
-        seg_len, seg_order)
+        fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, ct)
+    _, _, w, G, do, dfinal, _, _, tab = _walk_bwd_inputs(fn, q, k, w, G, do, dfinal, rstd_q,
+                                                         rstd_k, ct)
     (T, H, K), (HV, V), NC, S = q.shape, v.shape[1:], tab[0].shape[0], dfinal.shape[0]
     results = (_walk_bwd_results(NC, S, HV, K, V)
                + _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic)
@@ -713,57 +705,6 @@ def walk_chunk_bwd(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rstd_q, rstd_k,
         fn, results, q, k, v, beta, w, G, A, h, v_new, do, dfinal, rq, rk, *tab,
         scale=np.float32(scale))
     return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta, dh0
-
-
-def transfer(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first, seg_last, seg_len,
-             m_seg, b_seg):
-    """The units' affine summaries (xla.transfer with the tables as arrays), one state-only walk:
-    B f32[U, HV, K, V], the exit of segment b_seg[u] from h0[b_seg[u]], and M f32[U, HV, K, K],
-    the transfer matrix of segment m_seg[u]; zero where the index is -1 (a CTA with nothing to
-    summarise exits at once). k, v, beta, A, G, h0, rstd_k and the tables as `replay` takes them
-    (no seg_order: the CTAs are (kind, unit, head)); m_seg, b_seg int32[U]. w, u are made on
-    chip from A as prep makes them; the state stays f32."""
-    fn = "transfer"
-    k = _qkv(fn, "k", k)
-    T, H, K = k.shape
-    v, beta, G = _v_beta_g(fn, k, v, beta, G)
-    HV, V = v.shape[1], v.shape[2]
-    cs, cl = _table(fn, chunk_start, chunk_len)
-    A = _bf16(fn, "A", A, (cs.shape[0], HV, _CHUNK, _CHUNK), _A_FROM)
-    sl = _i32(fn, "seg_len", seg_len)
-    S = sl.shape[0]
-    sf, sla = _i32(fn, "seg_first", seg_first, S), _i32(fn, "seg_last", seg_last, S)
-    h0 = _f32(fn, "h0", h0, (S, HV, K, V))
-    b_seg = _i32(fn, "b_seg", b_seg)
-    U = b_seg.shape[0]
-    m_seg = _i32(fn, "m_seg", m_seg, U)
-    _check(U >= 1, f"{fn}: b_seg must have at least one entry")
-    _below_2_31(fn, ("T", T), ("S * HV", S * HV), ("NC * HV * 64", cs.shape[0] * HV * _CHUNK),
-                ("2 U * HV", 2 * U * HV))
-    r = _rstd(fn, "rstd_k", rstd_k, T, H)
-    B, M = _call(fn, [((U, HV, K, V), jnp.float32), ((U, HV, K, K), jnp.float32)],
-                 k, v, beta, A, G, h0, r, cs, cl, sf, sla, sl, jnp.concatenate([b_seg, m_seg]))
-    return M, B
-
-
-def transfer_bwd(q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first,
-                 seg_last, seg_len, unit_seg, *, scale: float):
-    """The backward twin of `transfer` (xla.transfer_bwd with the tables as arrays): per unit u,
-    the gradient of segment unit_seg[u]'s entry state from its exit gradient dfinal[s], f32
-    [U, HV, K, V] (zero where unit_seg[u] = -1): walk_bwd's reverse walk without its tapes.
-    Inputs as `walk_bwd` takes them (Att recomputed); unit_seg int32[U]."""
-    fn = "transfer_bwd"
-    q, k, w, G, do, dfinal, rq, rk, tab = _walk_bwd_inputs(
-        fn, q, k, w, G, do, dfinal, rstd_q, rstd_k, chunk_start, chunk_len, seg_first, seg_last,
-        seg_len, seg_len)
-    HV, K, V = do.shape[1], q.shape[2], do.shape[2]
-    unit_seg = _i32(fn, "unit_seg", unit_seg)
-    U = unit_seg.shape[0]
-    _check(U >= 1, f"{fn}: unit_seg must have at least one entry")
-    _below_2_31(fn, ("U * HV * V / 64", U * HV * (V // 64)))
-    (dh0,) = _call(fn, [((unit_seg.shape[0], HV, K, V), jnp.float32)], q, k, w, G, do, dfinal,
-                   rq, rk, *tab[:5], unit_seg, scale=np.float32(scale))
-    return dh0
 
 
 # ------------------------------------------------------------------------------------------------
