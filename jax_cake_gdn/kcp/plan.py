@@ -34,4 +34,4 @@ def plan_kcp(num_tokens_local: int, num_value_heads: int, *, layout: str = "cont
     """The static plan for one rank: P units per piece, and why."""
     frags = fragments_per_rank(layout, num_ranks, num_docs)
     return plan_segments(num_tokens_local, num_value_heads, frags, segments=segments,
-                         num_sms=num_sms, what="document fragments")
+                         num_ranks=num_ranks, num_sms=num_sms, what="document fragments")
