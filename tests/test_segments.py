@@ -299,7 +299,7 @@ def _gpu_gdn(lens, segments, *, save_mode="light", deterministic=True, nan_doc=N
     return out, (q, k, v, g, beta, h0, do, dfinal, cu)
 
 
-GPU_DOCS = ((1, 9000, 65, 0, 3000), (16384,))
+GPU_DOCS = ((1, 3000, 65, 0, 1000), (4096,))  # the f64 reference runs on the host
 
 
 @pytest.mark.parametrize("lens", GPU_DOCS)
@@ -307,9 +307,11 @@ GPU_DOCS = ((1, 9000, 65, 0, 3000), (16384,))
 def test_gpu_gdn_segments(lens, segments):
     need_gpu()
     (o, final, grads), (q, k, v, g, beta, h0, do, dfinal, cu) = _gpu_gdn(lens, segments)
-    ro, rfinal, rgrads = gdn_reference_vjp(q, k, v, g, beta, np.asarray(do, np.float32),
-                                           np.asarray(dfinal), cu_seqlens=cu, qk_l2norm=True,
-                                           initial_state=h0)
+    with jax.default_device(jax.devices("cpu")[0]):
+        ro, rfinal, rgrads = gdn_reference_vjp(*(np.asarray(x, np.float32) for x in
+                                                 (q, k, v, g, beta, do, dfinal)),
+                                               cu_seqlens=cu, qk_l2norm=True,
+                                               initial_state=np.asarray(h0))
     errs = {"o": rel_rms(o, ro), "final": rel_rms(final, rfinal)}
     errs.update({n: rel_rms(grads[n], rgrads[n]) for n in GRADS})
     assert all(e <= 1e-2 for e in errs.values()), errs
