@@ -300,75 +300,56 @@ def _ct(start, length, seg_first=None, seg_last=None, seg_len=None, seg_order=No
 
 def test_bad_inputs_raise_value_error():
     T, H, HV, K, V, NC = 100, 2, 6, 128, 128, 4
-    k = jnp.zeros((T, H, K), jnp.bfloat16)
-    v = jnp.zeros((T, HV, V), jnp.bfloat16)
-    f = jnp.zeros((T, HV), jnp.float32)
+    bf, f32 = jnp.bfloat16, jnp.float32
+    k = jnp.zeros((T, H, K), bf)
+    v = jnp.zeros((T, HV, V), bf)
+    f = jnp.zeros((T, HV), f32)
     cs = jnp.zeros((NC,), jnp.int32)
     s = jnp.zeros((3,), jnp.int32)
     ct = _ct(cs, cs, s, s, s, s)
-    with pytest.raises(ValueError, match="bfloat16 or float32"):
-        cuda.prep(k.astype(jnp.float16), v, f, f, None, ct)
-    with pytest.raises(ValueError, match="K = 32"):
-        cuda.prep(jnp.zeros((T, H, 32), jnp.bfloat16), v, f, f, None, ct)
-    with pytest.raises(ValueError, match="multiple of H"):
-        cuda.prep(jnp.zeros((T, 4, K), jnp.bfloat16), v, f, f, None, ct)
-    with pytest.raises(ValueError, match="beta"):
-        cuda.prep(k, v, f[:, :3], f, None, ct)
-    with pytest.raises(ValueError, match="G must"):
-        cuda.prep(k, v, f, f[:, :3], None, ct)
-    with pytest.raises(ValueError, match="rstd_k"):
-        cuda.prep(k, v, f, f, jnp.zeros((T, H + 1), jnp.float32), ct)
-    with pytest.raises(ValueError, match="chunk_len"):
-        cuda.prep(k, v, f, f, None, _ct(cs, cs[:2]))
-    with pytest.raises(ValueError, match="v must have k's dtype"):
-        cuda.prep(k, v.astype(jnp.float32), f, f, None, ct)
-    with pytest.raises(ValueError, match="V = 96"):
-        cuda.prep(k, jnp.zeros((T, HV, 96), jnp.bfloat16), f, f, None, ct)
-    w = jnp.zeros((T, HV, K), jnp.bfloat16)
-    u = jnp.zeros((T, HV, V), jnp.bfloat16)
+    w, u = jnp.zeros((T, HV, K), bf), v
     h0 = jnp.zeros((3, HV, K, V))
-    with pytest.raises(ValueError, match="h0"):
-        cuda.state_walk(k, w, u, f, h0[:2], None, ct)
-    with pytest.raises(ValueError, match="u must be bfloat16 .as the cuda prep"):
-        cuda.state_walk(k, w, u.astype(jnp.float32), f, h0, None, ct)
-    with pytest.raises(ValueError, match="w must be bfloat16 .as the cuda prep"):
-        cuda.state_walk(k, w.astype(jnp.float32), u, f, h0, None, ct)
-    with pytest.raises(ValueError, match="seg_order must have 3 entries"):
-        cuda.state_walk(k, w, u, f, h0, None, ct._replace(seg_order=s[:2]))
-    A = jnp.zeros((NC, HV, 64, 64), jnp.bfloat16)
-    with pytest.raises(ValueError, match="beta must be float32 \\[T, HV\\]"):
-        cuda.solve_a(k, f[:50], f, None, ct)
-    with pytest.raises(ValueError, match="multiple of H"):
-        cuda.solve_a(k, f[:, :5], f[:, :5], None, ct)
-    with pytest.raises(ValueError, match="G must"):
-        cuda.solve_a(k, f, f[:, :3], None, ct)
-    with pytest.raises(ValueError, match="K = 32"):
-        cuda.solve_a(jnp.zeros((T, H, 32), jnp.bfloat16), f, f, None, ct)
-    replay = lambda kk=k, vv=v, A=A, h0=h0, ct=ct: cuda.replay(kk, vv, f, f, A, h0, None, ct)
-    with pytest.raises(ValueError, match="v must have k's dtype"):
-        replay(vv=v.astype(jnp.float32))
-    with pytest.raises(ValueError, match="A must be bfloat16 .as the cuda prep / solve_a"):
-        replay(A=A.astype(jnp.float32))
-    with pytest.raises(ValueError, match="h0 must have shape"):
-        replay(h0=h0[:2])
-    with pytest.raises(ValueError, match="seg_order must have 3 entries"):
-        replay(ct=ct._replace(seg_order=s[:2]))
-    walk_output = lambda q=k, kk=k, vv=v, A=A, h0=h0, rq=None, dt=jnp.bfloat16: cuda.walk_output(
-        q, kk, vv, f, A, f, h0, rq, None, ct, scale=1.0, out_dtype=dt)
-    with pytest.raises(ValueError, match="out_dtype"):
-        walk_output(dt=jnp.float16)
-    with pytest.raises(ValueError, match="k must have q's dtype"):
-        walk_output(kk=k.astype(jnp.float32))
-    with pytest.raises(ValueError, match="v must have k's dtype"):
-        walk_output(vv=v.astype(jnp.float32))
-    with pytest.raises(ValueError, match="A must be bfloat16"):
-        walk_output(A=A.astype(jnp.float32))
-    with pytest.raises(ValueError, match="A must have shape"):
-        walk_output(A=A[:2])
-    with pytest.raises(ValueError, match="h0"):
-        walk_output(h0=h0[:2])
-    with pytest.raises(ValueError, match="rstd_q"):
-        walk_output(rq=jnp.zeros((T, H + 1), jnp.float32))
+    A = jnp.zeros((NC, HV, 64, 64), bf)
+    prep = lambda k=k, v=v, b=f, G=f, r=None, ct=ct: cuda.prep(k, v, b, G, r, ct)
+    walk = lambda w=w, u=u, h0=h0, ct=ct: cuda.state_walk(k, w, u, f, h0, None, ct)
+    solve_a = lambda k=k, b=f, G=f: cuda.solve_a(k, b, G, None, ct)
+    replay = lambda v=v, A=A, h0=h0, ct=ct: cuda.replay(k, v, f, f, A, h0, None, ct)
+    walk_output = lambda q=k, kk=k, v=v, A=A, h0=h0, rq=None, dt=bf: cuda.walk_output(
+        q, kk, v, f, A, f, h0, rq, None, ct, scale=1.0, out_dtype=dt)
+    short_order = ct._replace(seg_order=s[:2])
+    cases = [
+        (lambda: prep(k=k.astype(jnp.float16)), "bfloat16 or float32"),
+        (lambda: prep(k=jnp.zeros((T, H, 32), bf)), "K = 32"),
+        (lambda: prep(k=jnp.zeros((T, 4, K), bf)), "multiple of H"),
+        (lambda: prep(b=f[:, :3]), "beta"),
+        (lambda: prep(G=f[:, :3]), "G must"),
+        (lambda: prep(r=jnp.zeros((T, H + 1), f32)), "rstd_k"),
+        (lambda: prep(ct=_ct(cs, cs[:2])), "chunk_len"),
+        (lambda: prep(v=v.astype(f32)), "v must have k's dtype"),
+        (lambda: prep(v=jnp.zeros((T, HV, 96), bf)), "V = 96"),
+        (lambda: walk(h0=h0[:2]), "h0"),
+        (lambda: walk(u=u.astype(f32)), "u must be bfloat16 (as the cuda prep"),
+        (lambda: walk(w=w.astype(f32)), "w must be bfloat16 (as the cuda prep"),
+        (lambda: walk(ct=short_order), "seg_order must have 3 entries"),
+        (lambda: solve_a(b=f[:50]), "beta must be float32 [T, HV]"),
+        (lambda: solve_a(b=f[:, :5], G=f[:, :5]), "multiple of H"),
+        (lambda: solve_a(G=f[:, :3]), "G must"),
+        (lambda: solve_a(k=jnp.zeros((T, H, 32), bf)), "K = 32"),
+        (lambda: replay(v=v.astype(f32)), "v must have k's dtype"),
+        (lambda: replay(A=A.astype(f32)), "A must be bfloat16 (as the cuda prep / solve_a"),
+        (lambda: replay(h0=h0[:2]), "h0 must have shape"),
+        (lambda: replay(ct=short_order), "seg_order must have 3 entries"),
+        (lambda: walk_output(dt=jnp.float16), "out_dtype"),
+        (lambda: walk_output(kk=k.astype(f32)), "k must have q's dtype"),
+        (lambda: walk_output(v=v.astype(f32)), "v must have k's dtype"),
+        (lambda: walk_output(A=A.astype(f32)), "A must be bfloat16"),
+        (lambda: walk_output(A=A[:2]), "A must have shape"),
+        (lambda: walk_output(h0=h0[:2]), "h0"),
+        (lambda: walk_output(rq=jnp.zeros((T, H + 1), f32)), "rstd_q"),
+    ]
+    for call, msg in cases:
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            call()
 
 
 def test_wrappers_check_the_limits_the_handlers_rely_on():
