@@ -152,7 +152,7 @@ def test_saved_layout_equals_residuals_jax_keeps(rng, save_mode, qk_l2norm):
     # abstract arguments give the same answer
     sds = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v, g, beta)]
     assert J.saved_layout(*sds, initial_state=h0, **kw) == layout
-    expected = {"A", "G", "q", "k", "v", "beta", "h0"}
+    expected = {"A", "G", "q", "k", "v", "beta", "h0", "g_floor"}
     expected |= {"rstd_q", "rstd_k"} if qk_l2norm else set()
     expected |= {"w", "u", "h", "v_new"} if save_mode == "full" else set()
     assert {n for n in layout if not n.startswith(("ct.", "seg."))} == expected

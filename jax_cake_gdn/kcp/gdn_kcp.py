@@ -21,10 +21,10 @@ import numpy as np
 
 from .. import primitives, vma
 from ..affine import apply, chain_carries, matmul
-from ..checks import check_cu_seqlens, check_gdn_inputs, concrete
+from ..checks import check_arrays, check_cu_seqlens, check_gdn_inputs, concrete
 from ..core import Config, gdn_op
 from ..gates import apply_options
-from ..guards import bounds_guard
+from ..guards import bounds_guard, cuda_only, floor_decay
 from ..chunks import chunk_table
 from ..segments import SegTable
 from . import exchange as ex
@@ -136,6 +136,7 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
       before the kernels on every backend today.
     No initial/final state: documents start from zero.
     """
+    check_arrays("gdn_kcp", q=q, k=k, v=v, g=g, beta=beta, cu_seqlens=cu_seqlens)
     W = axis_size(axis_name)
     if exchange not in ex.EXCHANGES:
         raise ValueError(f"exchange must be one of {ex.EXCHANGES}, got {exchange!r}")
@@ -146,6 +147,7 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
     g, beta = apply_options(g, beta, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
                             dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                             allow_neg_eigval=allow_neg_eigval)
+    g = floor_decay(g)
     T_l, T_g = d.T, d.T * W
     N = check_cu_seqlens(cu_seqlens, 1, T_g)
     check_layout(layout, cu_seqlens, T_g, W)
@@ -158,6 +160,8 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
                  float(d.K**-0.5 if scale is None else scale),
                  bool(qk_l2norm), save_mode, deterministic=bool(deterministic))
     cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    if cfg.prims.name == "cuda":
+        cu = cuda_only(cu)
     r = jax.lax.axis_index(axis_name)
     pieces = rank_pieces(layout, cu, r, W, T_g)
     C, m = chains_and_m(layout, N)
