@@ -70,10 +70,11 @@ _JNP_CONV_OPS = ("stablehlo.pad", "stablehlo.exponential")
 def test_lower_short_conv_for_cuda(dtype, activation):
     need_ext()
     args = _abstract(dtype=dtype)
+    # (traced cu_seqlens: nan_unless guards y and the gradients against bad bounds)
     fwd = _lower_cuda(_conv("cuda", activation), *args)
-    assert _targets(fwd) == {"conv_fwd"}, _targets(fwd)
+    assert _targets(fwd) == {"conv_fwd", "nan_unless"}, _targets(fwd)
     grad = _lower_cuda(_value_and_grad("cuda", activation), *args)
-    assert _targets(grad) == {"conv_fwd", "conv_bwd"}, _targets(grad)
+    assert _targets(grad) == {"conv_fwd", "conv_bwd", "nan_unless"}, _targets(grad)
     for hlo in (fwd, grad):
         assert not any(op in hlo for op in _JNP_CONV_OPS)
     xla = _lower_cuda(_value_and_grad("xla", "silu"), *args)  # the check can fail
@@ -92,7 +93,7 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setattr(primitives, "cuda_ready", lambda: False)
     assert not _targets(_lower_cuda(_conv(None), *args))
     monkeypatch.setattr(primitives, "cuda_ready", lambda: True)  # pretend a GPU is there
-    assert _targets(_lower_cuda(_conv(None), *args)) == {"conv_fwd"}
+    assert _targets(_lower_cuda(_conv(None), *args)) == {"conv_fwd", "nan_unless"}
     assert not _targets(_lower_cuda(_conv("xla"), *args))
 
 
@@ -156,6 +157,9 @@ def test_custom_vjp_wiring(monkeypatch, activation):
     monkeypatch.setattr(cuda, "conv_fwd", lambda x, w, pos, *, activation: _conv_packed(
         x, w, pos, activation))
     monkeypatch.setattr(cuda, "conv_bwd", fake_bwd)
+    import jax_cake_gdn.conv as conv_mod  # (and compile for the CPU: the kernels are twins)
+    monkeypatch.setattr(conv_mod, "cuda_only", lambda bounds: bounds)
+    monkeypatch.setattr(cuda, "nan_unless", lambda x, ok: jnp.where(ok, x, jnp.nan))
     x, w, dy, cu = make_inputs(1, C=16, W=3)
     batch = lambda a: a[0, :1191].reshape(3, 397, 16)
     for args in ((x, w, dy, cu), (batch(x), w, batch(dy), None)):
