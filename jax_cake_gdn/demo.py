@@ -38,7 +38,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m jax_cake_gdn.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=2048, help="packed tokens per step (T)")
-    p.add_argument("--docs", type=int, default=4, help="documents per step (cu_seqlens capacity - 1)")
+    p.add_argument("--docs", type=int, default=4,
+                   help="documents per step (cu_seqlens capacity - 1)")
     p.add_argument("--heads", default="2,4", help="H,HV: q/k heads, value heads (HV %% H == 0)")
     p.add_argument("--head-dim", type=int, default=64, help="K = V")
     p.add_argument("--d-model", type=int, default=256)
@@ -121,7 +122,8 @@ def main(argv=None):
     from jax_cake_gdn.layers import GatedDeltaNet
     from jax_cake_gdn.reference import gdn_reference
 
-    T, N, H, HV, K, D, W = args.tokens, args.docs, args.H, args.HV, args.head_dim, args.d_model, args.conv_width
+    T, N, H, HV = args.tokens, args.docs, args.H, args.HV
+    K, D, W = args.head_dim, args.d_model, args.conv_width
     dt = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
     dev = jax.devices()[0]
     try:  # which primitive set backend=None / --backend resolves to (the library's own rule)
@@ -133,8 +135,9 @@ def main(argv=None):
     except Exception as e:  # noqa: BLE001 - e.g. backend="cuda" without the extension
         print(f"error: --backend {args.backend}: {e}", file=sys.stderr)
         return 1
-    print(f"device: {dev.platform} ({dev.device_kind}); backend: {args.backend or 'default'} -> {resolved}; "
-          f"T={T} docs={N} heads=({H},{HV}) K=V={K} d_model={D} dtype={args.dtype} steps={args.steps}")
+    print(f"device: {dev.platform} ({dev.device_kind}); backend: {args.backend or 'default'} "
+          f"-> {resolved}; T={T} docs={N} heads=({H},{HV}) K=V={K} d_model={D} "
+          f"dtype={args.dtype} steps={args.steps}")
 
     # ---- the layer (float32 parameters, `dtype` activations) and data ----
     layer = GatedDeltaNet(D, num_heads=H, num_v_heads=HV, head_k_dim=K, head_v_dim=K,
@@ -210,7 +213,8 @@ def main(argv=None):
         jax.block_until_ready(o)
     except Exception as e:  # noqa: BLE001 - a backend that cannot run here fails at its first call
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"error: the layer failed on {dev.platform} with backend {args.backend or 'default'}: "
+        print(f"error: the layer failed on {dev.platform} with backend "
+              f"{args.backend or 'default'}: "
               f"{type(e).__name__}: {msg}", file=sys.stderr)
         return 1
     lens = np.diff(cu0)
@@ -219,7 +223,8 @@ def main(argv=None):
     b = a + min(int(lens[d]), 256)  # a prefix of a document is itself a document
     sl = lambda t: np.asarray(t[:, a:b], np.float32)
     o_ref, _ = gdn_reference(sl(q), sl(k), sl(v), sl(g), sl(beta), qk_l2norm=True)
-    err = float(np.linalg.norm(sl(o).astype(np.float64) - o_ref) / max(np.linalg.norm(o_ref), 1e-30))
+    err = float(np.linalg.norm(sl(o).astype(np.float64) - o_ref)
+                / max(np.linalg.norm(o_ref), 1e-30))
     tol = 1e-2 if args.dtype == "bf16" else 1e-4
     ok = bool(np.isfinite(err)) and err < tol
     print(f"check: gdn output of doc {d} (its first {b - a} of {int(lens[d])} tokens, packed "

@@ -32,7 +32,8 @@ def _l2norm(x):
 
 
 def _recurrence(q, k, v, g, beta, h0, bounds, scale, qk_l2norm):
-    """All arguments float64 and packed: q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV]; h0 [N, HV, K, V]."""
+    """All arguments float64 and packed: q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV];
+    h0 [N, HV, K, V]."""
     T, H, K = q.shape
     HV = v.shape[1]
     N = len(bounds) - 1
@@ -79,7 +80,8 @@ def _prepare(q, k, v, g, beta, cu_seqlens, scale, initial_state):
 
 def gdn_reference(q, k, v, g, beta, *, cu_seqlens=None, scale=None, qk_l2norm=False,
                   initial_state=None):
-    """float64 numpy `(o [B, T, HV, V], final_state [N or B, HV, K, V])` for the same inputs as `gdn`."""
+    """float64 numpy `(o [B, T, HV, V], final_state [N or B, HV, K, V])` for the same inputs as
+    `gdn`."""
     with jax.enable_x64(True):
         args, bounds, scale, (B, T, HV, V) = _prepare(q, k, v, g, beta, cu_seqlens, scale,
                                                        initial_state)

@@ -40,16 +40,33 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python - <<'PYEOF' 2>/dev/null
-import jax, jaxlib, pytest, nanobind, scikit_build_core, flax
+import jax, jaxlib, pytest, nanobind, scikit_build_core, flax, ruff
 assert jax.__version__ == "0.11.2" and jaxlib.__version__ == "0.11.2"
 PYEOF
 then
   echo "setup: installing jax==0.11.2 jaxlib==0.11.2, flax and the build/test tools" >&2
   "${PIP[@]}" "jax==0.11.2" "jaxlib==0.11.2" pytest "nanobind>=2.0" "scikit-build-core>=0.11" \
-    numpy "flax>=0.12"
+    numpy "flax>=0.12" ruff
 fi
-echo "setup: building and installing jax-cake-gdn (editable)" >&2
-"${PIP[@]}" --no-build-isolation -e .
+echo "setup: building and installing jax-cake-gdn (editable; the CUDA extension takes a few" \
+  "minutes on two cores, its compile lines follow)" >&2
+log=$(mktemp "${TMPDIR:-/tmp}/jcg-build.XXXXXX")
+set +e
+.venv/bin/python -m pip install -v --disable-pip-version-check --no-build-isolation -e . >"$log" 2>&1 &
+pid=$!
+shown=0
+while kill -0 "$pid" 2>/dev/null; do  # ninja's [n/m] lines as they come
+  sleep 2
+  n=$(grep -c -E '^ *\[[0-9]+/[0-9]+\] ' "$log")
+  [ "$n" -gt "$shown" ] && grep -E '^ *\[[0-9]+/[0-9]+\] ' "$log" | tail -n "+$((shown + 1))" \
+    | sed 's/^/setup:   /' >&2
+  shown=$n
+done
+wait "$pid"
+rc=$?
+set -e
+if [ "$rc" -ne 0 ]; then tail -n 40 "$log" >&2; echo "setup: the install failed ($log)" >&2; exit 1; fi
+rm -f "$log"
 .venv/bin/python -c "
 from jax_cake_gdn.primitives import cuda
 import jax

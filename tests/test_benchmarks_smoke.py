@@ -108,7 +108,8 @@ def test_runner_end_to_end(tmp_path, monkeypatch, capsys, name, ops, arm_list, e
     path = (tmp_path / "jax-cake-gdn" / "bench" if extra else tmp_path) / f"{wl['name']}_smoke.json"
     assert res["path"] == str(path)
     data = json.loads(path.read_text())
-    for key in ("schema", "workload", "device", "versions", "config", "floor", "results", "skipped"):
+    for key in ("schema", "workload", "device", "versions", "config", "floor", "results",
+                "skipped"):
         assert key in data
     assert data["complete"] and data["versions"]["jax"] and data["device"]["platform"] == "cpu"
     got = {(r["arm"], r["op"]) for r in data["results"]}
@@ -419,7 +420,8 @@ done
 
 
 def test_device_times_parses_ncu_csv(monkeypatch, capsys):
-    """benchmarks.profiling.device_times: launches in order with ms (ns, us units, thousands separators),
+    """benchmarks.profiling.device_times: launches in order with ms (ns, us units, thousands
+    separators),
     short names, per-kernel totals; a clear exit code when ncu is missing. The ncu run itself
     needs a GPU (not run here)."""
     from benchmarks.profiling import device_times as dt

@@ -117,7 +117,8 @@ def test_shard_map_results_carry_vma(varying):
     f = jax.shard_map(body, mesh=mesh, in_specs=(g_spec, t_spec, t_spec), out_specs=P("a", "b"))
     g_rows = 256 * (4 if g_spec == P("a") else 1)
     nc = 4 * (2 if t_spec == P("b") else 1)
-    sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+    sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(shape, dt,
+                                                       sharding=NamedSharding(mesh, spec))
     hlo = _lower_cuda(f, sds((g_rows, 6), jnp.float32, g_spec),
                       sds((nc,), jnp.int32, t_spec), sds((nc,), jnp.int32, t_spec))
     assert "@jax_cake_gdn_gate_cumsum" in hlo

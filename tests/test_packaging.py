@@ -49,7 +49,8 @@ def test_cmake_and_bazel_build_the_same_kernels():
     """CMakeLists.txt lists the .cu files; BUILD.bazel globs cuda/*.cu: the lists must match."""
     cmake = _read("CMakeLists.txt")
     listed = re.search(r"set\(JCG_CUDA_SOURCES\s+(.*?)\)", cmake, re.S).group(1).split()
-    on_disk = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "cuda", "*.cu")))
+    on_disk = sorted(os.path.relpath(p, ROOT)
+                     for p in glob.glob(os.path.join(ROOT, "cuda", "*.cu")))
     assert sorted(listed) == on_disk
     build = _read("BUILD.bazel")
     assert 'glob(["cuda/*.cu"])' in build and 'glob(["cuda/*.cuh"])' in build

@@ -1,7 +1,8 @@
 """cuda/wgmma.cuh (Hopper warpgroup MMA helpers): tests/cuda/wgmma_check.cu compiles wherever nvcc
 is (CPU hosts included) and, on an sm_90 GPU, its exact check of D = C + s A B passes (m64nNk16,
 N = 32, 64, 128, A and B K-major or MN-major, s = +-1, 128-byte swizzled, N = 32 blocks at an
-offset inside a tile, A from registers; see the program's header). The check is a standalone program: it needs nvcc and a GPU, not the extension.
+offset inside a tile, A from registers; see the program's header). The check is a standalone
+program: it needs nvcc and a GPU, not the extension.
 The kernels that use wgmma compile without ptxas serializing their wgmma instructions (warning
 C7520, e.g. for a wgmma under a branch): that would cost their speed silently."""
 

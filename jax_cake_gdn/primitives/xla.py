@@ -295,7 +295,7 @@ def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd
     Kc = _th(_qk_heads(k, rstd_k, HV), ct)
     Vc = _th(v.astype(F32), ct)
     bc = _th(beta, ct)[..., None]
-    wc, vn, dOc = _th(w, ct), _th(v_new, ct), _th(do.astype(F32), ct)
+    vn, dOc = _th(v_new, ct), _th(do.astype(F32), ct)
     del u  # u enters only through v_new
     att = _scores(Qc, Kc, gt) if scores is None else scores
     eG = gt.eG[..., None]
