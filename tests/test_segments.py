@@ -48,8 +48,7 @@ def _vjp(args, do, dfinal, **kw):
     return o, final, dict(zip(GRADS, pull((do.astype(o.dtype), dfinal))))
 
 
-@pytest.mark.parametrize("segments", (2, 3, 5, 8))
-@pytest.mark.parametrize("save_mode", ("light", "full"))
+@pytest.mark.parametrize("segments,save_mode", [(2, "light"), (5, "light"), (8, "full")])
 def test_segments_match_reference(rng, segments, save_mode):
     cu = _cu(DOCS)
     T, N = int(cu[-1]), len(DOCS)
@@ -134,9 +133,9 @@ def test_gdn_segments_contain_nan(rng):
         assert _finite_outside(d, lo, hi), name
 
 
-@pytest.mark.parametrize("layout", ("contiguous", "zigzag", "doc_zigzag"))
-@pytest.mark.parametrize("exchange", ("a2a", "ring"))
-@pytest.mark.parametrize("save_mode", ("light", "full"))
+@pytest.mark.parametrize("layout,exchange,save_mode", [
+    (layout, exchange, "light") for layout in ("contiguous", "zigzag", "doc_zigzag")
+    for exchange in ("a2a", "ring")] + [("zigzag", "a2a", "full")])
 def test_kcp_contains_nan(rng, layout, exchange, save_mode):
     """A NaN in one document's v: every other document's o and gradients stay finite."""
     W = 4
