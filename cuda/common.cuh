@@ -29,7 +29,7 @@ namespace jax_cake_gdn {
 
 namespace ffi = xla::ffi;
 
-// Chunk length of the chunked GDN form (DESIGN.md section 1).
+// Chunk length of the chunked GDN form (docs/design.md section 1).
 inline constexpr int kChunk = 64;
 
 // JAX_CAKE_GDN_POISON=1 (read once per process): outputs are filled with NaN before a kernel

@@ -1,4 +1,4 @@
-// Chunk-local inclusive cumsum of the log gate (the G of DESIGN.md section 1).
+// Chunk-local inclusive cumsum of the log gate (the G of docs/design.md section 1).
 //
 //   g:           f32[T, HV]
 //   chunk_start: int32[NC]   first token of chunk c

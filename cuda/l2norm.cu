@@ -1,4 +1,4 @@
-// The q / k L2 norm (DESIGN.md section 1), forward and the backward epilogue of dq / dk:
+// The q / k L2 norm (docs/design.md section 1), forward and the backward epilogue of dq / dk:
 //
 //   jax_cake_gdn_l2norm_rstd(x [T, H, K] bf16 or f32) -> rstd f32[T, H] = 1 / sqrt(sum x^2 + 1e-6)
 //   jax_cake_gdn_l2norm_bwd(dy f32[T, HV, K], x [T, H, K], rstd f32[T, H] or f32[1])

@@ -1,4 +1,4 @@
-// The intra-chunk WY prep (DESIGN.md section 1), one CTA of 4 warps per (chunk, value head),
+// The intra-chunk WY prep (docs/design.md section 1), one CTA of 4 warps per (chunk, value head),
 // value heads of one chunk adjacent in the (1-D) grid so GVA heads share k through L2:
 //
 //   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A bf16[NC, HV, 64, 64]

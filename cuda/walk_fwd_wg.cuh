@@ -1,6 +1,6 @@
 // The forward state walks on Hopper warpgroup MMA, one kernel template for three modes
 // (WalkMode):
-//   kTapes, the state walk (DESIGN.md section 1): reads w, u; writes the h tape, v_new and the
+//   kTapes, the state walk (docs/design.md section 1): reads w, u; writes the h tape, v_new and the
 //     final state;
 //   kReplay, the light backward's replay: the same walk and outputs (plus w), but reads A and
 //     makes w, u on chip as prep does (bit for bit), so no wy pass is needed;

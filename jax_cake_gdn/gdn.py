@@ -46,8 +46,6 @@ def _packed(cfg: Config, segments, docs_per_row: float, q, k, v, g, beta, h0, cu
     B, T = q.shape[:2]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     bounds, N = packed_bounds(cu, B, T)
-    if segments is None and cfg.prims.name != "cuda":  # segments pay on the GPU's SMs only
-        segments = 1
     P = plan_segments(B * T, HV, max(1, round(docs_per_row * B)), segments=segments).P
     like = (q, k, v, g, beta) + (() if h0 is None else (h0,))
     h0 = vma.zeros((N, HV, K, V), jnp.float32, *like) if h0 is None else h0.reshape(N, HV, K, V)
@@ -155,11 +153,11 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         and dt_bias. Computed in jax.numpy before the kernels on every backend today; fusing it
         into the cuda prep kernel is future work.
       segments: cut the packed token axis into this many equal units walked in parallel and
-        joined by their affine summaries (docs/design.md section 3), so that few long documents
-        fill the GPU: the units that carry a state on are summarised by the transfer kernel
-        (one extra state-only walk over them, and its backward twin) and merged in order.
-        None (default): `plan.plan_segments` picks from documents x value heads against the SMs
-        (1 on the xla backend, and where the chains fill the GPU: then gdn runs no transfer).
+        joined by their affine summaries (docs/design.md section 3): the units that carry a
+        state on are summarised by the transfer kernel (one extra state-only walk over them, and
+        its backward twin in the backward) and merged in order. None (default): 1, gdn's kernels
+        alone; on one GPU the transfer costs about what the shorter chains save
+        (`plan.plan_segments`, docs/performance.md).
 
     Sharding (jax_cake_gdn.sharding): the arrays may be sharded over the batch and the heads
     (q/k heads H with the value heads HV, so a GVA group stays on one device) on Explicit or

@@ -2,7 +2,7 @@
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T;   o_t = scale * S_t^T q_t
 
-The same math and conventions as `gdn` (DESIGN.md section 1: GVA, the optional q/k L2 norm,
+The same math and conventions as `gdn` (docs/design.md section 1: GVA, the optional q/k L2 norm,
 FLA's gate options), written as a `lax.scan` over the few new tokens in jax.numpy: any device,
 jit-friendly, differentiable by JAX autodiff. Each token reads and writes the whole state
 [B, HV, K, V] a few times for about 8 K V flops per value head: memory-bound work, as a decode

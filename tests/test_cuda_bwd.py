@@ -45,7 +45,7 @@ from jax_cake_gdn.primitives import cuda
 from jax_cake_gdn.primitives import xla as X
 
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)  # T = 1193, 7 segments, NC = 25 (21 used)
-TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
+TOL = 1e-2  # relative RMS, bf16 tensor-core products (docs/design.md section 4)
 
 
 def _ct(start, length, seg_first=None, seg_last=None, seg_len=None, seg_order=None):

@@ -46,7 +46,7 @@ FWD_UNWANTED = {"light": {"prep", "replay", "state_walk", "walk_output_tapes"},
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)
 # a long document (192 chunks, as B23's longest) between short ones and an empty one (T = 13354)
 LONG_DOC_LENS = (1, 12288, 0, 65, 1000)
-TOL = 1e-2  # relative RMS, bf16 tensor-core products (DESIGN.md section 4)
+TOL = 1e-2  # relative RMS, bf16 tensor-core products (docs/design.md section 4)
 # prep's A (bf16) vs xla's f32 A: the bf16 rounding (~1.1e-3) on top of the inverse's own error
 # (bf16 k in K K^T, the inverse near f32 through split bf16 mma: 1.7-2.7e-4 before A went bf16)
 A_TOL = 2e-3

@@ -1,4 +1,4 @@
-"""Bad input of DESIGN.md section 4 that applies to one device: a clear error naming the argument
+"""Bad input of docs/design.md section 4 that applies to one device: a clear error naming the argument
 (concrete values) or NaN everywhere (traced bounds)."""
 
 import jax

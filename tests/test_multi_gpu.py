@@ -13,7 +13,7 @@ from conftest import make_inputs, need_gpu, rel_rms, run_python
 from kcp_harness import (LAYOUTS, NAMES, docs_for, run_conv_kcp, run_conv_one_device, run_kcp,
                          run_one_device)
 
-TOL = 1e-2  # bf16 inputs (DESIGN.md section 4)
+TOL = 1e-2  # bf16 inputs (docs/design.md section 4)
 T, H, HV, D = 8192, 2, 6, 128
 
 

@@ -10,7 +10,7 @@ Every wrapper checks its arguments (ValueError naming the argument, at trace tim
 cuda/ read their sizes from the buffers and check nothing again. Every wrapper builds its result
 types from its inputs (`_result`), so that under `jax.shard_map`
 the results carry the union of the inputs' varying manual axes (vma); without that, gradients
-under shard_map are silently wrong (DESIGN.md section 2).
+under shard_map are silently wrong (docs/design.md section 2).
 """
 
 from __future__ import annotations

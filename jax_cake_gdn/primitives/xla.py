@@ -4,7 +4,7 @@ Token arrays are packed ([T, heads, dim]); each primitive gathers them into zero
 ([NC, HV, 64, dim]) internally and returns token arrays again, so the interface is the one the
 CUDA kernels implement. Every accumulation is float32 at HIGHEST matmul precision.
 
-Notation per chunk and value head (DESIGN.md section 1): G = in-chunk inclusive cumsum of g,
+Notation per chunk and value head (docs/design.md section 1): G = in-chunk inclusive cumsum of g,
 Gam_ij = exp(G_i - G_j) (i >= j), GC = G of the chunk's last row, Kd = K * exp(GC - G),
 A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1, u = A diag(beta) V, w = A diag(beta e^G) K,
 v_new = u - w S0, S_end = e^GC S0 + Kd^T v_new, o = scale (Q e^G S0 + tril(Gam o QK^T) v_new).
