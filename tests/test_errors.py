@@ -1,5 +1,5 @@
-"""Bad input of docs/design.md section 4 that applies to one device: a clear error naming the argument
-(concrete values) or NaN everywhere (traced bounds)."""
+"""Bad input of docs/design.md section 4 that applies to one device: a clear error naming the
+argument (concrete values) or NaN everywhere (traced bounds)."""
 
 import jax
 import jax.numpy as jnp
