@@ -30,8 +30,12 @@ def run_one_device(cu, args, do):
     return _run_one_device(jax.devices("cpu")[0], cu, args, do, backend="xla")
 
 
-CASES = [(W, layout, exchange) for W in (1, 2, 4, 8)
-         for layout in ("contiguous", "zigzag", "doc_zigzag") for exchange in ("a2a", "ring")]
+LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
+# every layout and exchange on 8 devices; on 2 and 4 every layout, the exchanges alternating
+CASES = ([(8, layout, exchange) for layout in LAYOUTS for exchange in ("a2a", "ring")]
+         + [(W, layout, ("a2a", "ring")[(i + W // 4) % 2])
+            for W in (2, 4) for i, layout in enumerate(LAYOUTS)]
+         + [(1, "contiguous", "a2a")])
 
 
 @pytest.mark.parametrize("W,layout,exchange", CASES)
