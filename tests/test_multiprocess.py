@@ -64,6 +64,7 @@ def test_two_processes_equal_one():
     port = _free_port()
     tests = os.path.dirname(os.path.abspath(__file__))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"  # host devices also on a GPU host
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(port), tests], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]

@@ -3,6 +3,7 @@ and Auto meshes (batch over data x fsdp, heads over tp), inside jax.shard_map, a
 lowering per shard. Each sharded result equals the one-device result; compiled steps hold no
 collective over activations."""
 
+import math
 import re
 
 import jax
@@ -61,8 +62,13 @@ def gdn_vjp(q, k, v, g, beta, h0, cu, do, dfinal):
     return o, final, pull((do, dfinal))
 
 
+def cpu_mesh(shape, names, **kw):
+    """A mesh of host devices (8 of them, conftest), also on a GPU host."""
+    return jax.make_mesh(shape, names, devices=jax.devices("cpu")[:math.prod(shape)], **kw)
+
+
 def mesh_of(kind):
-    return jax.make_mesh((2, 2, 2), BATCH + (HEADS,), axis_types=(kind,) * 3)
+    return cpu_mesh((2, 2, 2), BATCH + (HEADS,), axis_types=(kind,) * 3)
 
 
 def collectives(compiled):
@@ -169,7 +175,7 @@ def test_short_conv_on_mesh(rng, kind):
 @pytest.mark.parametrize("kind", (AxisType.Explicit, AxisType.Auto))
 def test_sharded_token_axis_points_to_gdn_kcp(rng, kind):
     q, k, v, g, beta, _ = make_inputs(rng, B=2, T=64, H=2, HV=2, K=8, V=8)
-    mesh = jax.make_mesh((8,), ("cp",), axis_types=(kind,))
+    mesh = cpu_mesh((8,), ("cp",), axis_types=(kind,))
     args = [jax.device_put(x, NamedSharding(mesh, P(None, "cp"))) for x in (q, k, v, g, beta)]
     with pytest.raises(Exception, match="gdn_kcp") as e:
         jax.jit(lambda *a: J.gdn(*a, backend="xla"))(*args)
@@ -180,7 +186,7 @@ def test_sharded_token_axis_points_to_gdn_kcp(rng, kind):
 def test_gva_group_stays_on_one_device(rng):
     """Value heads sharded over more devices than there are q/k heads: a clear error."""
     q, k, v, g, beta, _ = make_inputs(rng, B=1, T=64, H=2, HV=8, K=8, V=8)
-    mesh = jax.make_mesh((4,), ("tp",), axis_types=(AxisType.Explicit,))
+    mesh = cpu_mesh((4,), ("tp",), axis_types=(AxisType.Explicit,))
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P(None, None, "tp")))
     with pytest.raises(ValueError, match=r"v is sharded over mesh axes \('tp',\).*q/k heads H"):
         jax.jit(lambda *a: J.gdn(*a, backend="xla"))(q, k, put(v), put(g), put(beta))
@@ -216,10 +222,10 @@ def test_inside_shard_map(rng, axis):
     dy = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
     ax = "s"
     if axis == "batch":  # the shard_map leaves an Auto axis "x" (data parallel x something)
-        mesh = jax.make_mesh((4, 2), (ax, "x"), axis_types=(AxisType.Auto,) * 2)
+        mesh = cpu_mesh((4, 2), (ax, "x"), axis_types=(AxisType.Auto,) * 2)
         act, row, wspec = P(ax), P(ax), P()
     else:
-        mesh, act, row, wspec = jax.make_mesh((2,), (ax,)), P(None, None, ax), P(), P(ax)
+        mesh, act, row, wspec = cpu_mesh((2,), (ax,)), P(None, None, ax), P(), P(ax)
     state = P(ax) if axis == "batch" else P(None, ax)
     arg_specs = {n: (state if n == "initial_state" else act) for n in args}
     in_specs = (arg_specs, row, act, state, act, wspec, act)
@@ -260,7 +266,7 @@ def test_cuda_lowering_per_shard(rng):
     assert calls["conv_fwd"].startswith("tensor<64x8xbf16>")  # y [tokens, channels]
     assert str(Bc * Tc) + "x" not in "".join(calls.values())  # never the global token count
 
-    smesh = jax.make_mesh((2,), ("tp",))
+    smesh = cpu_mesh((2,), ("tp",))
     inner = jax.shard_map(lambda *a: jax.grad(lambda *b: jnp.sum(
         J.gdn(*b, backend="cuda").astype(jnp.float32)), argnums=(0, 2))(*a),
         mesh=smesh, in_specs=(P(None, None, "tp"),) * 5, out_specs=(P(None, None, "tp"),) * 2)
