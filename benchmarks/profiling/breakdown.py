@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import statistics
 import tempfile
 
@@ -22,13 +23,12 @@ def _short(name: str) -> str:
                 "nan_unless", "conv"):
         if key in name:
             mode = ""
-            if key == "walk_fwd_wg":
-                modes = {"ILNS_8WalkModeE0": "tapes", "ILNS_8WalkModeE1": "replay",
-                         "ILNS_8WalkModeE2": "out", "ILNS_8WalkModeE3": "out_tapes",
-                         "ILNS_8WalkModeE4": "transfer"}
-                mode = next((f"[{m}]" for k, m in modes.items() if k in name), "")
-            if key == "walk_bwd_wg":
-                mode = "[twin]" if "ELb1EEEv" in name else ""
+            if key == "walk_fwd_wg":  # mangled ...WalkModeE4E... or demangled (...WalkMode)4
+                m = re.search(r"WalkModeE(\d)|WalkMode\)(\d)", name)
+                modes = ("tapes", "replay", "out", "out_tapes", "transfer")
+                mode = f"[{modes[int(m.group(1) or m.group(2))]}]" if m else ""
+            if key == "walk_bwd_wg":  # the last template argument, kTwin
+                mode = "[twin]" if re.search(r"Lb1E|, true>", name) else ""
             return key + mode
     return name[:40]
 
