@@ -263,7 +263,10 @@ def call(local: Callable, rule: Rule, args: dict) -> tuple:
     present arguments by name (the keys of rule.ins). Costs nothing beyond local's own work
     where the arguments are sharded as the op splits them (module docstring)."""
     mesh = _mesh(args)
-    kinds = {t for s, t in zip(mesh.axis_sizes, mesh.axis_types) if s > 1}
+    # an Explicit axis counts even of size 1: the arrays' types carry it, and the local op
+    # mixing them with unsharded arrays would be a sharding type error
+    kinds = {t for s, t in zip(mesh.axis_sizes, mesh.axis_types)
+             if s > 1 or t == AxisType.Explicit}
     if kinds <= {AxisType.Manual}:
         return local(args)
     if kinds == {AxisType.Auto} and AxisType.Manual not in mesh.axis_types:

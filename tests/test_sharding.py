@@ -276,29 +276,44 @@ def test_cuda_lowering_per_shard(rng):
     assert calls["gate_cumsum"].startswith(f"tensor<{Bc * Tc}x4xf32>"), calls
 
 
-@pytest.mark.parametrize("axis_type", ("explicit", "auto"))
-def test_gpu_cuda_under_a_one_device_mesh(rng, axis_type):
-    """The cuda path under jit on a one-GPU mesh (batch and heads 'sharded' over it, per-row
-    bounds) equals the same call without a mesh (which test_cuda_*.py check against f64)."""
-    from conftest import need_gpu
-
-    need_gpu()
+def _one_device_mesh(rng, axis_type, backend, device):
+    """gdn (per-row bounds, gradients) and short_conv under jit on a 1 x 1 mesh of `device`, batch
+    and heads 'sharded' over it, equal the same calls without a mesh."""
     kind = AxisType.Explicit if axis_type == "explicit" else AxisType.Auto
-    mesh = jax.make_mesh((1, 1), ("data", "tp"), axis_types=(kind, kind),
-                         devices=jax.devices("cuda")[:1])
+    mesh = jax.make_mesh((1, 1), ("data", "tp"), axis_types=(kind, kind), devices=[device])
     Bg, Tg, Hg, HVg, Dg = 2, 700, 2, 4, 64
     q, k, v, g, beta, _ = make_inputs(rng, B=Bg, T=Tg, H=Hg, HV=HVg, K=Dg, V=Dg,
                                       dtype=jnp.bfloat16, qk_l2norm=True)
     cu = jnp.asarray(row_bounds(rng, rows=Bg, T=Tg, n=3))
     do = jnp.asarray(rng.standard_normal(v.shape), jnp.bfloat16)
-    f = lambda *a: J.gdn(*a[:5], cu_seqlens=a[5], qk_l2norm=True, backend="cuda")
+    f = lambda *a: J.gdn(*a[:5], cu_seqlens=a[5], qk_l2norm=True, backend=backend)
     step = jax.jit(lambda *a: (lambda o, pull: (o, pull(do)))(*jax.vjp(lambda *x: f(*x, a[5]),
                                                                         *a[:5])))
+    x = jnp.asarray(rng.standard_normal((Bg, Tg, 8)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((8, 4)), jnp.float32)
+    conv = jax.jit(lambda x, w, cu: J.short_conv(x, w, cu_seqlens=cu, backend=backend))
     spec = NamedSharding(mesh, P("data", None, "tp"))
     with jax.set_mesh(mesh):
         got = step(*[jax.device_put(x, spec) for x in (q, k, v, g, beta)],
                    jax.device_put(cu, NamedSharding(mesh, P("data"))))
+        got_conv = conv(jax.device_put(x, spec), jax.device_put(w, NamedSharding(mesh, P("tp"))),
+                        jax.device_put(cu, NamedSharding(mesh, P("data"))))
     ref = step(q, k, v, g, beta, cu)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    for a, b in zip(jax.tree.leaves((got, got_conv)), jax.tree.leaves((ref, conv(x, w, cu)))):
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
         assert rel_rms(a, b) <= 1e-3
+
+
+@pytest.mark.parametrize("axis_type", ("explicit", "auto"))
+def test_one_device_mesh(rng, axis_type):
+    _one_device_mesh(rng, axis_type, "xla", jax.devices("cpu")[0])
+
+
+@pytest.mark.parametrize("axis_type", ("explicit", "auto"))
+def test_gpu_cuda_under_a_one_device_mesh(rng, axis_type):
+    """The cuda path on a one-GPU mesh equals the same calls without a mesh (which
+    test_cuda_*.py and test_conv_cuda.py check against f64)."""
+    from conftest import need_gpu
+
+    need_gpu()
+    _one_device_mesh(rng, axis_type, "cuda", jax.devices("cuda")[0])
