@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import re
 import textwrap
+import warnings
 import zlib
 
 import jax
@@ -288,7 +289,12 @@ def test_unsupported_dims_raise_or_fall_back(monkeypatch):
     # backend=None with a GPU but unsupported dims: the xla primitives (gate_cumsum has no head
     # dim and stays a kernel)
     monkeypatch.setattr(primitives, "cuda_ready", lambda: True)
-    hlo = _lower_cuda(_fwd(None), *args)
+    monkeypatch.setattr(primitives, "_warned_dims", set())
+    with pytest.warns(UserWarning, match=r"K = 96, V = 128 are not supported.*xla backend"):
+        hlo = _lower_cuda(_fwd(None), *args)
+    with warnings.catch_warnings():  # once per (K, V)
+        warnings.simplefilter("error")
+        _lower_cuda(_fwd(None), *args)
     targets = _targets(hlo)
     assert not targets & {"prep", "solve_a", "state_walk", "walk_output"}, targets
     hlo = _lower_cuda(_fwd(None), *_abstract_inputs(K=64, V=64))

@@ -39,6 +39,7 @@ way.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, NamedTuple
 
 from . import xla
@@ -85,19 +86,32 @@ def cuda_ready() -> bool:
     return cuda.available() and cuda.gpu_available()
 
 
+_warned_dims: set = set()  # (K, V) pairs already warned about
+
+
 def resolve(backend: str | None, *, K: int, V: int) -> Primitives:
     """Pick the primitive set for head dims K (q/k) and V (v).
 
     None: cuda where the extension and a GPU exist and the kernels support K and V
-    (`cuda.supports`), else xla. "cuda": the cuda set (RuntimeError, after a one-time warning,
-    when the extension is missing; ValueError naming K or V when the kernels lack them).
+    (`cuda.supports`), else xla; on a GPU host, head dims the kernels lack give xla with a warning,
+    once per (K, V) (the xla backend is many times slower). "cuda": the cuda set (RuntimeError,
+    after a one-time warning, when the extension is missing; ValueError naming K or V when the
+    kernels lack them).
     """
     from . import cuda
 
     if not use_cuda(backend):
         return XLA
     if backend is None:
-        return _cuda_primitives() if cuda.supports(K, V) else XLA
+        if cuda.supports(K, V):
+            return _cuda_primitives()
+        if (K, V) not in _warned_dims:
+            _warned_dims.add((K, V))
+            warnings.warn(f"jax_cake_gdn: head dims K = {K}, V = {V} are not supported by the cuda "
+                          f"kernels (K and V must be one of {cuda.SUPPORTED_DIMS}); running the "
+                          "xla backend, which is many times slower. Pass backend='xla' to say so "
+                          "and silence this.", stacklevel=3)
+        return XLA
     cuda._check_dims("backend='cuda'", K=K, V=V)
     return _cuda_primitives()
 
