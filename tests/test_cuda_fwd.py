@@ -274,8 +274,10 @@ def test_supports_and_resolve(monkeypatch):
     assert primitives.resolve("cuda", K=128, V=64).name == "cuda"
     monkeypatch.setattr(primitives, "cuda_ready", lambda: True)  # pretend a GPU is there
     assert primitives.resolve(None, K=128, V=128).name == "cuda"
-    assert primitives.resolve(None, K=96, V=128) is primitives.XLA
-    assert primitives.resolve(None, K=128, V=48) is primitives.XLA
+    monkeypatch.setattr(primitives, "_warned_dims", set())
+    for K, V in ((96, 128), (128, 48)):
+        with pytest.warns(UserWarning, match=f"K = {K}, V = {V} are not supported"):
+            assert primitives.resolve(None, K=K, V=V) is primitives.XLA
 
 
 def test_unsupported_dims_raise_or_fall_back(monkeypatch):
