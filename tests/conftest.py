@@ -1,5 +1,6 @@
 """Shared test setup: 8 host devices for the context-parallel tests, and input makers."""
 
+import math
 import os
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import zlib
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
-import jax  # noqa: E402, F401
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -20,6 +21,12 @@ def rel_rms(x, ref):
     x = np.asarray(np.asarray(x, np.float32), np.float64)
     ref = np.asarray(ref, np.float64)
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def cpu_mesh(shape, names, **kw):
+    """A mesh over the first prod(shape) host devices (8 of them, set above), also on a GPU host."""
+    return jax.make_mesh(tuple(shape), tuple(names),
+                         devices=jax.devices("cpu")[:math.prod(shape)], **kw)
 
 
 def need_ext():

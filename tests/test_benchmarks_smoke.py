@@ -421,9 +421,8 @@ done
 
 def test_device_times_parses_ncu_csv(monkeypatch, capsys):
     """benchmarks.profiling.device_times: launches in order with ms (ns, us units, thousands
-    separators),
-    short names, per-kernel totals; a clear exit code when ncu is missing. The ncu run itself
-    needs a GPU (not run here)."""
+    separators), short names, per-kernel totals; a clear exit code when ncu is missing. The ncu
+    run itself needs a GPU (not run here)."""
     from benchmarks.profiling import device_times as dt
 
     rows = dt.parse_ncu_csv(_NCU_CSV)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import need_ext, need_gpu, rel_rms, run_python
+from conftest import cpu_mesh, need_ext, need_gpu, rel_rms, run_python
 from jax.sharding import PartitionSpec as P
 
 import jax_cake_gdn as J
@@ -99,7 +99,7 @@ def test_backend_choice(monkeypatch):
 
 def test_context_parallel_conv_stays_jax_numpy():
     need_ext()
-    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices("cpu")[:2])
+    mesh = cpu_mesh((2,), ("cp",))
 
     def local(x, w, cu):
         return J.short_conv(x, w, cu_seqlens=cu, axis_name="cp", backend="cuda")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import need_ext, need_gpu, run_python
+from conftest import cpu_mesh, need_ext, need_gpu, run_python
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -101,7 +101,7 @@ def test_bad_inputs_raise_value_error():
 @pytest.mark.parametrize("varying", ["g", "tables", "both"])
 def test_shard_map_results_carry_vma(varying):
     need_ext()
-    mesh = jax.make_mesh((4, 2), ("a", "b"), devices=jax.devices("cpu")[:8])  # conftest: 8
+    mesh = cpu_mesh((4, 2), ("a", "b"))
     g_spec = P("a") if varying in ("g", "both") else P()
     t_spec = P("b") if varying in ("tables", "both") else P()
     expect = {"g": {"a"}, "tables": {"b"}, "both": {"a", "b"}}[varying]

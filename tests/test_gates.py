@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_inputs, rel_rms, uneven_cu_seqlens
+from conftest import cpu_mesh, make_inputs, rel_rms, uneven_cu_seqlens
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -118,7 +118,7 @@ def test_gdn_kcp_options_equal_reference_gates(rng):
     cu = np.array([0, 1, 90, 90, 200, T], np.int32)
     args = raw_inputs(rng, T, H=2, K=16, V=16)
     do = jnp.asarray(rng.standard_normal((1, T, 4, 16)), jnp.float32)
-    m = jax.make_mesh((W,), (AX,), devices=jax.devices("cpu")[:W])
+    m = cpu_mesh((W,), (AX,))
     tok, rep = NamedSharding(m, P(None, AX)), NamedSharding(m, P())
     cu_j = jnp.asarray(cu)
     lay = lambda x: jax.device_put(J.to_layout(x, cu_j, layout, W), tok)
@@ -205,7 +205,7 @@ def test_bad_gate_options(rng, kw, exc, text):
         _bad(args, **kw)
     if exc is ValueError and "only used" not in text:  # gdn_kcp runs the same checks
         q, k, v, g, b, *_ = args
-        m = jax.make_mesh((1,), (AX,), devices=jax.devices("cpu")[:1])
+        m = cpu_mesh((1,), (AX,))
         f = jax.jit(jax.shard_map(lambda *a: J.gdn_kcp(*a, cu_seqlens=jnp.array([0, 64], jnp.int32),
                                                axis_name=AX, backend="xla", **kw),
                           mesh=m, in_specs=P(), out_specs=P(), check_vma=False))

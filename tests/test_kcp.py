@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 import jax_cake_gdn as J
 from jax_cake_gdn.kcp import plan_kcp
 
-from kcp_harness import AX, NAMES, docs_for, mesh as _mesh, run_conv_kcp, run_conv_one_device
+from kcp_harness import AX, LAYOUTS, NAMES, docs_for, mesh as _mesh, run_conv_kcp
+from kcp_harness import run_conv_one_device
 from kcp_harness import run_kcp as _run_kcp
 from kcp_harness import run_one_device as _run_one_device
 
@@ -30,7 +31,6 @@ def run_one_device(cu, args, do):
     return _run_one_device(jax.devices("cpu")[0], cu, args, do, backend="xla")
 
 
-LAYOUTS = ("contiguous", "zigzag", "doc_zigzag")
 # every layout and exchange on 8 devices; on 2 and 4 every layout, the exchanges alternating
 CASES = ([(8, layout, exchange) for layout in LAYOUTS for exchange in ("a2a", "ring")]
          + [(W, layout, ("a2a", "ring")[(i + W // 4) % 2])

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import rel_rms, uneven_cu_seqlens
+from conftest import cpu_mesh, rel_rms, uneven_cu_seqlens
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -58,7 +58,7 @@ def test_init_and_structure_vs_reference(rng):
 
 @functools.lru_cache(maxsize=None)
 def mesh(W):
-    return jax.make_mesh((W,), (AX,), devices=jax.devices("cpu")[:W])
+    return cpu_mesh((W,), (AX,))
 
 
 def loss_and_grads(graphdef, params, x, cu, dy, cp=None):
@@ -300,8 +300,7 @@ def test_sharding_annotations(rng):
             ("conv_bias",): P("heads"), ("A_log",): P("heads"), ("o_norm", "weight"): P(None)}
     got = {path: v.get_value() for path, v in specs}
     assert len(got) == 12 and all(got[p] == s for p, s in want.items()), got
-    m = jax.make_mesh((2, 4), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
-                      devices=jax.devices("cpu")[:8])
+    m = cpu_mesh((2, 4), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     x = jnp.asarray(rng.standard_normal((2, 50, D)), jnp.float32)
     with jax.set_mesh(m):
         layer = make_layer(3, **kw, sharding_rules=rules)

@@ -3,14 +3,13 @@ and Auto meshes (batch over data x fsdp, heads over tp), inside jax.shard_map, a
 lowering per shard. Each sharded result equals the one-device result; compiled steps hold no
 collective over activations."""
 
-import math
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_inputs, need_ext, rel_rms
+from conftest import cpu_mesh, make_inputs, need_ext, rel_rms
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -60,11 +59,6 @@ def gdn_vjp(q, k, v, g, beta, h0, cu, do, dfinal):
 
     (o, final), pull = jax.vjp(f, q, k, v, g, beta, h0)
     return o, final, pull((do, dfinal))
-
-
-def cpu_mesh(shape, names, **kw):
-    """A mesh of host devices (8 of them, conftest), also on a GPU host."""
-    return jax.make_mesh(shape, names, devices=jax.devices("cpu")[:math.prod(shape)], **kw)
 
 
 def mesh_of(kind):
