@@ -67,4 +67,42 @@ __device__ __forceinline__ void handoff_wait(const Handoff& h, int item) {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
+// ---------------------------------------------------------------- solve_a -> walk_output
+// The forward's hand-off (walk_fwd.cu: solve_a_walk_output): when the walk's CTAs leave SMs idle,
+// solve_a runs on the others (prep.cuh) and the walk is launched behind it with programmatic
+// dependent launch; solve_a publishes each (chunk, head) item's A (int32[1 + NC HV]: [0] its item
+// counter, [1 + item] the flags, item = c HV + hv, zeroed before solve_a) and the walk's producer
+// waits for the items of its head a batch of chunks at a time. The walk only waits for the
+// kernel launched before it, so the hand-off cannot deadlock, overlapped or not.
+
+__device__ __forceinline__ int ld_relaxed_gpu(const int32_t* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// solve_a side, every thread of a CTA after its stores of `item`'s A: publish the item (flags:
+// the buffer's [1]).
+__device__ __forceinline__ void handoff_publish_a(int32_t* flags, int item) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) red_add_release_gpu(flags + item, 1);
+}
+
+// Walk side, one thread: until items first, first + step, .., last are all published (N flags
+// read together per try: one round trip), then its TMA (async proxy) loads may read them.
+template <int N>
+__device__ __forceinline__ void handoff_wait_items(const int32_t* flags, int first, int last,
+                                                   int step) {
+  for (;;) {
+    bool all = true;
+#pragma unroll
+    for (int j = 0; j < N; ++j) all &= ld_relaxed_gpu(flags + min(first + j * step, last)) != 0;
+    if (all) break;
+    __nanosleep(256);
+  }
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
 }  // namespace jax_cake_gdn

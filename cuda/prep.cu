@@ -13,12 +13,16 @@
 //
 // k, v: bf16 or f32 [T, H, K] / [T, HV, V] (same dtype); beta, G: f32[T, HV]; rstd_k: f32[T, H]
 // or f32[1] (no L2 norm); chunk_start / chunk_len: int32[NC] (chunks.py). K, V in {64, 128}.
+#include <algorithm>
+
 #include "handler.cuh"
 #include "prep.cuh"
+#include "solve_a_launch.cuh"
 
 namespace jax_cake_gdn {
 namespace {
 
+// prep_kernel<In, K, kWU> over the NC x HV grid (kWU = false: v, w, u null, V unused).
 // prep_kernel<In, K, kWU> over the NC x HV grid (kWU = false: v, w, u null, V unused).
 template <bool kWU>
 ffi::Error launch_prep(cudaStream_t stream, const ffi::AnyBuffer& k, const void* v, F32 beta,
@@ -47,6 +51,37 @@ ffi::Error launch_prep(cudaStream_t stream, const ffi::AnyBuffer& k, const void*
       FloatType{k.element_type()}, HeadDim{K});
 }
 
+// solve_a_ahead_kernel (bf16 k): one CTA per resident slot of every SM.
+ffi::Error launch_solve_a_ahead(cudaStream_t stream, const ffi::AnyBuffer& k, F32 beta, F32 G,
+                                F32 rstd_k, ChunkTable chunks, BF16 A, int32_t* a_ready,
+                                int reserve) {
+  const auto kd = k.dimensions();
+  const int64_t T = kd[0], H = kd[1], K = kd[2], HV = beta.dimensions()[1], NC = chunks.count();
+  if (k.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("solve_a ahead of the walk: k must be bf16");
+  return dispatch(
+      [&](auto kdim) {
+        constexpr int KD = decltype(kdim)::value;
+        auto kernel = solve_a_ahead_kernel<bf16, KD>;
+        constexpr size_t smem = PrepSmem<KD, false>::bytes;
+        JCG_CHECK_CUDA(cudaFuncSetAttribute(kernel,
+                                            cudaFuncAttributePreferredSharedMemoryCarveout,
+                                            cudaSharedmemCarveoutMaxShared));
+        int per_sm = 0;
+        JCG_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel,
+                                                                     kPrepThreads, smem));
+        const int ctas = sm_count() * std::max(per_sm, 1);
+        JCG_CHECK_CUDA(launch(kernel, dim3(static_cast<unsigned>(ctas)), kPrepThreads, smem,
+                              stream, data<bf16>(k), beta.typed_data(), G.typed_data(),
+                              optional_data(rstd_k), chunks.start.typed_data(),
+                              chunks.len.typed_data(), static_cast<bf16*>(A.untyped_data()), T,
+                              static_cast<int>(H), static_cast<int>(HV), a_ready,
+                              static_cast<int>(NC * HV), reserve));
+        return ffi::Error::Success();
+      },
+      HeadDim{K});
+}
+
 ffi::Error prep(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 beta, F32 G,
                 F32 rstd_k, ChunkTable chunks, Ret<BF16> A, Ret<BF16> w, Ret<BF16> u) {
   JCG_CHECK_CUDA(poison_all(stream, *A, *w, *u));
@@ -57,11 +92,29 @@ ffi::Error prep(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 bet
 ffi::Error solve_a(cudaStream_t stream, ffi::AnyBuffer k, F32 beta, F32 G, F32 rstd_k,
                    ChunkTable chunks, Ret<BF16> A) {
   JCG_CHECK_CUDA(poison(stream, *A));
-  return launch_prep<false>(stream, k, nullptr, beta, G, rstd_k, chunks, *A, nullptr, nullptr,
-                            0);
+  return launch_solve_a(stream, k, beta, G, rstd_k, chunks, *A, nullptr, 0);
 }
 
 }  // namespace
+
+int sm_count() {
+  static const int n = [] {
+    int dev = 0, count = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 0;
+    return count;
+  }();
+  return n;
+}
+
+ffi::Error launch_solve_a(cudaStream_t stream, const ffi::AnyBuffer& k, F32 beta, F32 G,
+                          F32 rstd_k, ChunkTable chunks, BF16 A, int32_t* a_ready, int reserve) {
+  if (a_ready != nullptr)
+    return launch_solve_a_ahead(stream, k, beta, G, rstd_k, chunks, A, a_ready, reserve);
+  return launch_prep<false>(stream, k, nullptr, beta, G, rstd_k, chunks, A, nullptr, nullptr, 0);
+}
+
 }  // namespace jax_cake_gdn
 
 JCG_FFI_HANDLER(prep, jax_cake_gdn::prep)

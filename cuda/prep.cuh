@@ -14,6 +14,9 @@
 // (walk_fwd_wg.cuh): the light backward's replay gets prep's w, u bit for bit (light == full),
 // and the light forward's walk the state walk's states (tests/test_cuda_fwd.py). With bf16
 // inputs k and v arrive by cp.async as they are.
+// solve_a ahead of the forward walk (walk_fwd.cu: solve_a_walk_output) runs as a grid that fills
+// the GPU once, leaves the walk's SMs free, takes items in chunk-major order from a counter and
+// publishes each item's A on a flag once it is stored (handoff.cuh).
 // prep runs 4 CTAs/SM (<= 128 registers, 52.8 KB shared each); solve_a at K = 128 runs 6
 // (<= 80 registers, 35.5 KB), latency-bound as it is (prep_min_ctas).
 //
@@ -28,6 +31,7 @@
 #pragma once
 
 #include "device_common.cuh"
+#include "handoff.cuh"
 
 namespace jax_cake_gdn {
 
@@ -270,17 +274,20 @@ __device__ __forceinline__ void prep_scale_cols(const uint32_t (&a)[4][4], const
 
 // kWU = false (solve_a): A only; v, w, u unused (may be null), V ignored. A is the same either
 // way (the same code up to prep_write_a).
-template <typename In, int K, bool kWU = true>
-__global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
-    prep_kernel(const In* __restrict__ k, const In* __restrict__ v,
-                const float* __restrict__ beta, const float* __restrict__ G,
-                const float* __restrict__ rstd,  // nullable
-                const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
-                bf16* __restrict__ A, bf16* __restrict__ w, bf16* __restrict__ u,
-                int64_t num_tokens, int H, int HV, int V) {
+// One (chunk, value head) item (item = c HV + hv): prep_kernel's work for it.
+template <typename In, int K, bool kWU>
+__device__ __forceinline__ void prep_item(int item, unsigned char* smem, const In* __restrict__ k,
+                                          const In* __restrict__ v,
+                                          const float* __restrict__ beta,
+                                          const float* __restrict__ G,
+                                          const float* __restrict__ rstd,
+                                          const int32_t* __restrict__ cstart,
+                                          const int32_t* __restrict__ clen,
+                                          bf16* __restrict__ A, bf16* __restrict__ w,
+                                          bf16* __restrict__ u, int64_t num_tokens, int H,
+                                          int HV, int V) {
   using Sm = PrepSmem<K, kWU>;
   constexpr int KP = Sm::KP, AP = Sm::AP;
-  extern __shared__ __align__(16) unsigned char smem[];
   bf16* Kr = reinterpret_cast<bf16*>(smem);  // k diag(rstd), until K K^T is done
   float* As = reinterpret_cast<float*>(smem);  // then A (f32)
   bf16* Ks = reinterpret_cast<bf16*>(smem + Sm::kA);
@@ -290,7 +297,7 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
   float* sg = sb + kChunk;  // G (G of the last row on padding rows)
   float* sw = sg + kChunk;  // kWU: w's column scales beta e^G r (0 on padding rows)
 
-  const int hv = blockIdx.x % HV, c = blockIdx.x / HV;  // value heads of one k head adjacent
+  const int hv = item % HV, c = item / HV;  // value heads of one k head adjacent
   const int hk = hv / (HV / H);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
@@ -458,6 +465,56 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
     prep_scale_cols(a, sw, aw);
     prep_scale_cols(a, sb, au);
     wy_store(aw, au, Ks, Vs, w, u, cs, hv, HV, K, V);
+  }
+}
+
+// %smid: the SM this CTA runs on.
+__device__ __forceinline__ int sm_id() {
+  int id;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(id));
+  return id;
+}
+
+// One CTA per item (grid NC HV, chunk-major).
+template <typename In, int K, bool kWU = true>
+__global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
+    prep_kernel(const In* __restrict__ k, const In* __restrict__ v,
+                const float* __restrict__ beta, const float* __restrict__ G,
+                const float* __restrict__ rstd,  // nullable
+                const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
+                bf16* __restrict__ A, bf16* __restrict__ w, bf16* __restrict__ u,
+                int64_t num_tokens, int H, int HV, int V) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  prep_item<In, K, kWU>(blockIdx.x, smem, k, v, beta, G, rstd, cstart, clen, A, w, u,
+                        num_tokens, H, HV, V);
+}
+
+// solve_a ahead of the forward walk (walk_fwd.cu: solve_a_walk_output): a grid that fills the GPU
+// once, whose CTAs on SMs with id < reserve exit at once (but the last: it takes every item left
+// if need be), so that the walk's CTAs, launched behind this grid with programmatic dependent
+// launch, get those SMs; the others take items in order from the counter a_ready[0] and publish
+// each A on a_ready[1 + item] (handoff.cuh).
+template <typename In, int K>
+__global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, false>()))
+    solve_a_ahead_kernel(const In* __restrict__ k, const float* __restrict__ beta,
+                         const float* __restrict__ G,
+                         const float* __restrict__ rstd,  // nullable
+                         const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
+                         bf16* __restrict__ A, int64_t num_tokens, int H, int HV,
+                         int32_t* a_ready, int items, int reserve) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int next;
+  allow_dependent_launch();
+  if (sm_id() < reserve && blockIdx.x + 1 != gridDim.x) return;
+  for (;;) {
+    __syncthreads();  // the last item's shared memory and `next` read by every thread
+    if (threadIdx.x == 0) next = atomicAdd(a_ready, 1);
+    __syncthreads();
+    const int item = next;
+    if (item >= items) return;
+    prep_item<In, K, false>(item, smem, k, nullptr, beta, G, rstd, cstart, clen, A, nullptr,
+                            nullptr, num_tokens, H, HV, 0);
+    handoff_publish_a(a_ready + 1, item);
   }
 }
 

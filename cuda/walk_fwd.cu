@@ -15,6 +15,12 @@
 //       -> o [T, HV, V] (bf16 or f32, the result type chooses), final f32[S, HV, K, V]
 //   jax_cake_gdn_walk_output_tapes(the same) -> o, final, h, v_new, w (replay's, bit for bit)
 //
+//   jax_cake_gdn_solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, chunk_start,
+//                                    chunk_len, seg_first, seg_last, seg_len, seg_order; scale)
+//       -> A (solve_a's), a_ready int32[1 + NC HV] (scratch, handoff.cuh), then walk_output's
+//          results
+//   jax_cake_gdn_solve_a_walk_output_tapes(the same) -> A, a_ready, walk_output_tapes' results
+//
 //   jax_cake_gdn_replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first,
 //                       seg_last, seg_len, seg_order) -> h, v_new, w bf16[T, HV, K], final
 //
@@ -28,6 +34,7 @@
 // kernel by TMA: the handler encodes their tensor maps (tma.cuh). Launch (all three): one CTA of
 // V / 64 compute warpgroups and a producer warpgroup per (segment, value head), grid S x HV
 // (segment-major, the segments in seg_order: chunks.py sorts them longest first).
+#include "solve_a_launch.cuh"
 #include "walk_fwd_launch.cuh"
 
 namespace jax_cake_gdn {
@@ -52,47 +59,92 @@ ffi::Error state_walk(cudaStream_t stream, ffi::AnyBuffer k, BF16 w, BF16 u, F32
       FloatType{k.element_type()}, HeadDim{k.dimensions()[2]}, HeadDim{u.dimensions()[2]});
 }
 
-// walk_output and walk_output_tapes (tapes: h, v_new, w; none for walk_output).
-ffi::Error walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       F32 beta, BF16 A, F32 G, F32 h0, F32 rstd_q, F32 rstd_k, ChunkTable chunks,
-                       SegmentTable segs, S32 seg_order, Scale scale, Ret<ffi::AnyBuffer> o,
-                       Ret<F32> final_state, ffi::RemainingRets tapes) {
-  const bool with_tapes = tapes.size() == 3;
-  if (!with_tapes && !tapes.empty())
-    return ffi::Error::InvalidArgument("expected 2 or 5 results");
-  bf16 *h = nullptr, *v_new = nullptr, *w = nullptr;
-  JCG_CHECK_CUDA(poison_all(stream, *o, *final_state));
-  if (with_tapes) {
-    bf16** out[3] = {&h, &v_new, &w};
-    for (size_t i = 0; i < 3; ++i) {
-      auto r = tapes.get<BF16>(i);
-      if (r.has_error()) return r.error();
-      JCG_CHECK_CUDA(poison(stream, **r));
-      *out[i] = static_cast<bf16*>((*r)->untyped_data());
-    }
+// The tapes of walk_output_tapes (h, v_new, w; none for walk_output), poisoned.
+ffi::Error walk_tapes(cudaStream_t stream, ffi::RemainingRets& tapes, bf16* (&out)[3]) {
+  if (tapes.size() != 3 && !tapes.empty())
+    return ffi::Error::InvalidArgument("expected 2 or 5 walk results");
+  for (size_t i = 0; i < tapes.size(); ++i) {
+    auto r = tapes.get<BF16>(i);
+    if (r.has_error()) return r.error();
+    JCG_CHECK_CUDA(poison(stream, **r));
+    out[i] = static_cast<bf16*>((*r)->untyped_data());
   }
+  return ffi::Error::Success();
+}
+
+// The fused walk + output (with the tapes when h is given; outputs poisoned by the caller). A
+// read as WalkFwdArgs::a_ready says; behind: launched behind solve_a with programmatic
+// dependent launch.
+ffi::Error launch_walk_output(cudaStream_t stream, const ffi::AnyBuffer& q,
+                              const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, F32 beta, BF16 A,
+                              F32 G, F32 h0, F32 rstd_q, F32 rstd_k, const ChunkTable& chunks,
+                              const SegmentTable& segs, S32 seg_order, float scale,
+                              ffi::AnyBuffer o, F32 final_state, bf16* const (&tape)[3],
+                              const int32_t* a_ready) {
   return dispatch(
       [&](auto in, auto out, auto kd, auto vd) {  // one CTA covers all V columns
         using In = typename decltype(in)::type;
         using Out = typename decltype(out)::type;
         constexpr int KD = decltype(kd)::value, VD = decltype(vd)::value;
         auto a = walk_args<In, Out>(k, G, h0, rstd_k, chunks, segs, seg_order.typed_data(),
-                                    final_state->typed_data());
+                                    final_state.typed_data());
         a.q = data<In>(q);
         a.v = data<In>(v);
         a.beta = beta.typed_data();
         a.A = static_cast<const bf16*>(A.untyped_data());
         a.rstd_q = optional_data(rstd_q);
-        a.o = data<Out>(*o);
-        a.scale = *scale;
-        if (!with_tapes) return run_walk<WalkMode::kOut, KD, VD>(a, segs, stream);
-        a.h = h;
-        a.v_new = v_new;
-        a.w_out = w;
-        return run_walk<WalkMode::kOutTapes, KD, VD>(a, segs, stream);
+        a.o = data<Out>(o);
+        a.scale = scale;
+        a.a_ready = a_ready;
+        const bool behind = a_ready != nullptr;
+        if (tape[0] == nullptr) return run_walk<WalkMode::kOut, KD, VD>(a, segs, stream, behind);
+        a.h = tape[0];
+        a.v_new = tape[1];
+        a.w_out = tape[2];
+        return run_walk<WalkMode::kOutTapes, KD, VD>(a, segs, stream, behind);
       },
-      FloatType{q.element_type()}, FloatType{o->element_type()}, HeadDim{q.dimensions()[2]},
+      FloatType{q.element_type()}, FloatType{o.element_type()}, HeadDim{q.dimensions()[2]},
       HeadDim{v.dimensions()[2]});
+}
+
+// walk_output and walk_output_tapes.
+ffi::Error walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       F32 beta, BF16 A, F32 G, F32 h0, F32 rstd_q, F32 rstd_k, ChunkTable chunks,
+                       SegmentTable segs, S32 seg_order, Scale scale, Ret<ffi::AnyBuffer> o,
+                       Ret<F32> final_state, ffi::RemainingRets tapes) {
+  bf16* tape[3] = {nullptr, nullptr, nullptr};
+  JCG_RETURN_IF_ERROR(walk_tapes(stream, tapes, tape));
+  JCG_CHECK_CUDA(poison_all(stream, *o, *final_state));
+  return launch_walk_output(stream, q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunks, segs,
+                            seg_order, *scale, *o, *final_state, tape, nullptr);
+}
+
+// solve_a, then walk_output (with or without tapes) on its A. bf16 inputs whose walk CTAs (one a
+// segment and value head, a whole SM each) fill at most half the SMs: solve_a first on the other
+// SMs (launch_solve_a with a_ready) and the walk behind it, each chunk's A handed over by a flag
+// (handoff.cuh); otherwise one after the other.
+ffi::Error solve_a_walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                               ffi::AnyBuffer v, F32 beta, F32 G, F32 h0, F32 rstd_q,
+                               F32 rstd_k, ChunkTable chunks, SegmentTable segs, S32 seg_order,
+                               Scale scale, Ret<BF16> A, Ret<S32> a_ready,
+                               Ret<ffi::AnyBuffer> o, Ret<F32> final_state,
+                               ffi::RemainingRets tapes) {
+  bf16* tape[3] = {nullptr, nullptr, nullptr};
+  JCG_RETURN_IF_ERROR(walk_tapes(stream, tapes, tape));
+  JCG_CHECK_CUDA(poison_all(stream, *o, *final_state, *A));
+  const int64_t walk_ctas = segs.count() * beta.dimensions()[1];
+  const bool behind = pdl_enabled() && q.element_type() == ffi::DataType::BF16 &&
+                      chunks.count() > 0 && walk_ctas > 0 && 2 * walk_ctas <= sm_count();
+  int32_t* flags = nullptr;
+  if (behind) {
+    flags = a_ready->typed_data();
+    JCG_CHECK_CUDA(cudaMemsetAsync(flags, 0, a_ready->size_bytes(), stream));
+  }
+  // nothing may run between the two launches: the walk's early start pairs with solve_a
+  JCG_RETURN_IF_ERROR(launch_solve_a(stream, k, beta, G, rstd_k, chunks, *A, flags,
+                                     static_cast<int>(walk_ctas)));
+  return launch_walk_output(stream, q, k, v, beta, *A, G, h0, rstd_q, rstd_k, chunks, segs,
+                            seg_order, *scale, *o, *final_state, tape, flags);
 }
 
 ffi::Error replay(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 beta, BF16 A,
@@ -123,3 +175,5 @@ JCG_FFI_HANDLER(state_walk, jax_cake_gdn::state_walk)
 JCG_FFI_HANDLER(walk_output, jax_cake_gdn::walk_output)
 JCG_FFI_HANDLER(walk_output_tapes, jax_cake_gdn::walk_output)
 JCG_FFI_HANDLER(replay, jax_cake_gdn::replay)
+JCG_FFI_HANDLER(solve_a_walk_output, jax_cake_gdn::solve_a_walk_output)
+JCG_FFI_HANDLER(solve_a_walk_output_tapes, jax_cake_gdn::solve_a_walk_output)

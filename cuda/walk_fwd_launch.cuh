@@ -80,11 +80,12 @@ inline ffi::Error walk_maps(WalkFwdArgs<In, Out>& a) {
 
 // One CTA of V / 64 compute warpgroups and a producer warpgroup per (slot, value head): the
 // slots are the segments in seg_order (kTransfer: the (kind, unit) pairs of the launch).
+// behind: with programmatic dependent launch (behind solve_a, WalkFwdArgs::a_ready).
 template <WalkMode M, typename In, typename Out, int K, int V>
-inline ffi::Error launch_walk(const WalkFwdArgs<In, Out>& a, int64_t slots,
-                              cudaStream_t stream) {
+inline ffi::Error launch_walk(const WalkFwdArgs<In, Out>& a, int64_t slots, cudaStream_t stream,
+                              bool behind = false) {
   const dim3 grid(static_cast<unsigned>(slots * a.HV));
-  return cuda_status(launch(walk_fwd_wg_kernel<M, In, Out, K, V>, grid,
+  return cuda_status(launch(behind, walk_fwd_wg_kernel<M, In, Out, K, V>, grid,
                             walk_fwd_wg_threads<V>(), WalkFwdWgSmem<M, K, V>::bytes, stream, a),
                      "walk_fwd_wg_kernel");
 }
@@ -92,9 +93,9 @@ inline ffi::Error launch_walk(const WalkFwdArgs<In, Out>& a, int64_t slots,
 // walk_maps, then launch_walk over the segments.
 template <WalkMode M, int K, int V, typename In, typename Out>
 inline ffi::Error run_walk(WalkFwdArgs<In, Out>& a, const SegmentTable& segs,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, bool behind = false) {
   JCG_RETURN_IF_ERROR((walk_maps<M, K, V>(a)));
-  return launch_walk<M, In, Out, K, V>(a, segs.count(), stream);
+  return launch_walk<M, In, Out, K, V>(a, segs.count(), stream, behind);
 }
 
 }  // namespace jax_cake_gdn

@@ -56,6 +56,9 @@
 // before it arrives at the barrier that opens chunk c + 1. kOut with bf16 inputs loads q, k, v
 // and A by TMA (tma.cuh; one thread, one mbarrier a buffer), then zeroes the rows past a
 // partial chunk's end (TMA reads on into the next document), as the cp.async zero fill does.
+// With a_ready (walk_fwd.cu: solve_a_walk_output, bf16 inputs) the walk starts while solve_a runs
+// on the SMs it leaves idle: the TMA thread waits for A's flags of chunks c.. (kAReadyBatch at a
+// time) before it loads chunk c.
 // kTapes copies w and u. kOut and kReplay make them from A as prep does (prep.cuh):
 //   A_u = bf16(A diag(beta)),  A_w = bf16(A diag(beta e^G r))   (A bf16 from solve_a / prep)
 //   w = A_w K,  u = A_u V   (m64n64 wgmma blocks, 4 k16 steps from zero, rounded to bf16 into
@@ -81,6 +84,7 @@
 
 #include <type_traits>
 
+#include "handoff.cuh"
 #include "tma.cuh"
 #include "wg_acc.cuh"
 
@@ -122,11 +126,18 @@ struct WalkFwdArgs {
   float* m_out;        // kTransfer: M [U, HV, K, K] (kind 1)
   // kTransfer: per kind (B, then M) and unit, the segment to summarise (-1: none, zeros out)
   const int32_t* transfer_seg;
+  // kOut, kOutTapes with bf16 inputs: int32[1 + NC HV], solve_a runs ahead of the walk (the
+  // walk launched behind it) and publishes each item's A at [1 + item] (handoff.cuh); null: A
+  // is complete before the launch
+  const int32_t* a_ready;
   int64_t num_tokens;
   int H, HV, NC;
   int U, S, kind0;  // kTransfer: units, segments, the first kind of this launch
   float scale;
 };
+
+// Chunks of A flags the forward walk's producer reads per round trip (WalkFwdArgs::a_ready).
+constexpr int kAReadyBatch = 8;
 
 // What an instance of walk_fwd_wg_kernel reads and writes.
 enum class WalkMode {
@@ -305,6 +316,15 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
       }
       producer_sync();
     }
+    // a_ready: before chunk c's A is read, solve_a's flags of this head's chunks c.. (a batch of
+    // kAReadyBatch, one round trip) unless an earlier batch covered c. One thread (the TMA's).
+    int a_ready_to = c_first - 1;
+    [[maybe_unused]] auto wait_a = [&](int c) {
+      if (a.a_ready == nullptr || c <= a_ready_to) return;
+      const int last = min(c + kAReadyBatch - 1, c_last);
+      handoff_wait_items<kAReadyBatch>(a.a_ready + 1, c * HV + hv, last * HV + hv, HV);
+      a_ready_to = last;
+    };
     // f32 q or k of a chunk, rounded to bf16 on the way (plain loads; bf16 comes by TMA)
     auto copy_qk = [&](const In* src, unsigned char* slabs, int64_t start, int len) {
       load_tile_bf16_at<kChunk, K, 4, kLoaders>(slab_at<kChunk>(slabs),
@@ -459,7 +479,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         unsigned char* Aw = smem + Sm::oAw;
         const int row_A = (c * HV + hv) * kChunk, t0 = static_cast<int>(cs.start);
         if constexpr (kTma) {
-          if (threadIdx.x == kCompute) tma_chunk(c, t0, b);
+          if (threadIdx.x == kCompute) {
+            if constexpr (kOut) wait_a(c);
+            tma_chunk(c, t0, b);
+          }
           cp_async_wait_all();
           mbar_wait(bars + b, ((c - c_first) >> 1) & 1);  // buffer b's (c - c_first) / 2-th use
           if (cs.len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them

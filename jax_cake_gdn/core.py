@@ -3,8 +3,9 @@
 `gdn_op(cfg, merge, q, k, v, g, beta, h0, tabs)` runs on packed arrays (q, k [T, H, K], v
 [T, HV, V], g, beta [T, HV], h0 [N, HV, K, V]) cut into segments by `tabs` (segments.SegTable).
 
-Forward: gate cumsum, L2-norm rstd, A; then, when `merge` is given (units that take a carry can
-exist), the transfer kernel summarises only the units that need it (M of a unit that takes a
+Forward: gate cumsum, L2-norm rstd, A; without `merge`, outside light's VJP, A and the walk come
+from one primitive (solve_a_walk_output: the cuda one overlaps them when few chains leave SMs
+idle). When `merge` is given (units that take a carry can exist), the transfer kernel summarises only the units that need it (M of a unit that takes a
 carry and passes it on, B of a unit that passes one on), `merge` composes the summaries along the
 units' chains into every unit's entry state (locally, or across ranks with a collective), and
 one walk_output runs every segment from its entry state. Without `merge` (no unit can take a
@@ -75,29 +76,40 @@ def _per_doc(merge, h0, tabs: SegTable) -> bool:
 
 
 def forward(cfg: Config, merge: Optional[Callable], q, k, v, g, beta, h0, tabs: SegTable):
-    """(o, final), (residuals, tabs): the custom_vjp forward (also saved_layout's)."""
+    """(o, final), (residuals, tabs): the custom_vjp forward (also saved_layout's). Light keeps A
+    but none of the walk's results, so it makes A apart from the walk: under jax.checkpoint the
+    recomputation then runs solve_a alone."""
+    return _forward(cfg, merge, q, k, v, g, beta, h0, tabs, fuse=cfg.save_mode == "full")
+
+
+def _forward(cfg: Config, merge, q, k, v, g, beta, h0, tabs: SegTable, fuse: bool):
+    """forward; fuse: A and the walk from one primitive where no unit takes a carry."""
     P, ct = cfg.prims, tabs.ct
     rq = P.l2norm_rstd(q) if cfg.qk_l2norm else None
     rk = P.l2norm_rstd(k) if cfg.qk_l2norm else None
     G = P.gate_cumsum(g, ct)
-    A = P.solve_a(k, beta, G, rk, ct)
     if _per_doc(merge, h0, tabs):
         entry = h0
     else:
         entry = jnp.where(_bc(tabs.starts_doc, h0[:1]), h0[tabs.seg_doc], 0.0)
     entry = vma.cast(entry, vma.of(v))
-    M_u = None
-    if merge is not None:
-        m_seg, b_seg, _ = tabs.unit_needs()
-        M, B = P.transfer(k, v, beta, G, A, entry, rk, ct, m_seg, b_seg)
-        K = k.shape[-1]
-        eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), M.shape)
-        M_u = jnp.where(_bc(tabs.unit_empty, M), eye, M)
-        carry = merge(M_u, B, _resets(tabs, m_seg))
-        entry = jnp.where(_bc(tabs.takes_carry, entry), carry[tabs.seg_unit], entry)
     full = cfg.save_mode == "full"
-    out = P.walk_output(q, k, v, beta, A, G, entry, rq, rk, ct, scale=cfg.scale,
-                        out_dtype=v.dtype, tapes=full)
+    M_u = None
+    if merge is None and fuse:  # no unit takes a carry: A and the walk in one primitive
+        A, *out = P.solve_a_walk_output(q, k, v, beta, G, entry, rq, rk, ct, scale=cfg.scale,
+                                        out_dtype=v.dtype, tapes=full)
+    else:
+        A = P.solve_a(k, beta, G, rk, ct)
+        if merge is not None:
+            m_seg, b_seg, _ = tabs.unit_needs()
+            M, B = P.transfer(k, v, beta, G, A, entry, rk, ct, m_seg, b_seg)
+            K = k.shape[-1]
+            eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), M.shape)
+            M_u = jnp.where(_bc(tabs.unit_empty, M), eye, M)
+            carry = merge(M_u, B, _resets(tabs, m_seg))
+            entry = jnp.where(_bc(tabs.takes_carry, entry), carry[tabs.seg_unit], entry)
+        out = P.walk_output(q, k, v, beta, A, G, entry, rq, rk, ct, scale=cfg.scale,
+                            out_dtype=v.dtype, tapes=full)
     o, exits = out[:2]
     final = exits if _per_doc(merge, h0, tabs) else exits[tabs.doc_last_seg]
     res = dict(q=q, k=k, v=v, beta=beta, h0=entry, G=G, A=A, rstd_q=rq, rstd_k=rk, M=M_u)
@@ -141,7 +153,8 @@ def gdn_op(cfg: Config, merge, q, k, v, g, beta, h0, tabs: SegTable):
     """(o [T, HV, V], final [N, HV, K, V]) of the packed op (module docstring). Called without
     differentiation it runs light's forward in either save mode: full's tapes would be written
     for nothing (o and the exit states are bit for bit the same)."""
-    return forward(cfg._replace(save_mode="light"), merge, q, k, v, g, beta, h0, tabs)[0]
+    return _forward(cfg._replace(save_mode="light"), merge, q, k, v, g, beta, h0, tabs,
+                    fuse=True)[0]
 
 
 gdn_op.defvjp(forward, _backward)

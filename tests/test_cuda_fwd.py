@@ -37,12 +37,15 @@ from jax_cake_gdn import gdn, primitives
 from jax_cake_gdn.chunks import ChunkTable, chunk_table
 from jax_cake_gdn.primitives import cuda
 
-# the forward's custom calls by save mode: both make A alone (solve_a) and fuse w, u, the walk and
-# the output in one kernel; light keeps none of w, u, h, v_new, full stores w, h, v_new from it
-FWD_TARGETS = {"light": ("gate_cumsum", "l2norm_rstd", "solve_a", "walk_output"),
-               "full": ("gate_cumsum", "l2norm_rstd", "solve_a", "walk_output_tapes")}
-FWD_UNWANTED = {"light": {"prep", "replay", "state_walk", "walk_output_tapes"},
-                "full": {"prep", "replay", "state_walk", "walk_output"}}
+# the forward's custom calls by save mode (light: the plain call; full: a VJP's forward): A and
+# the fused walk + output in one call (solve_a_walk_output); light keeps none of w, u, h, v_new,
+# full stores w, h, v_new from the walk
+FWD_TARGETS = {"light": ("gate_cumsum", "l2norm_rstd", "solve_a_walk_output"),
+               "full": ("gate_cumsum", "l2norm_rstd", "solve_a_walk_output_tapes")}
+FWD_UNWANTED = {"light": {"prep", "replay", "state_walk", "solve_a", "walk_output",
+                          "walk_output_tapes", "solve_a_walk_output_tapes"},
+                "full": {"prep", "replay", "state_walk", "solve_a", "walk_output",
+                         "walk_output_tapes", "solve_a_walk_output"}}
 # documents: a length-1 one, an empty one, 63, 64, 65, another empty one, 1000 (T = 1193)
 DOC_LENS = (1, 0, 63, 64, 65, 0, 1000)
 # a long document (192 chunks, as B23's longest) between short ones and an empty one (T = 13354)
@@ -148,6 +151,17 @@ def primitive_pairs(inp, qk_l2norm, scale=None):
         out["walk_output_tapes.h"], out["walk_output_tapes.v_new"] = (ht, hr), (vnt, vnr)
         out["walk_output_tapes.w"], out["walk_output_tapes.final"] = (wt, wr), (finwt, finwp)
         out["walk_output_tapes.o"] = (owt, owp)
+        # solve_a and the walk in one call (with few walk CTAs: solve_a on the other SMs, A handed
+        # over by flags): each result bit for bit the two calls' (keys "fused...")
+        Af, of, finf = C.solve_a_walk_output(q, k, v, beta, G, h0, rq, rk, ct, scale=scale,
+                                             out_dtype=v.dtype)
+        out["fused.A"], out["fused.o"], out["fused.final"] = (Af, Ac), (of, owp), (finf, finwp)
+        Aft, oft, finft, wft, uft, hft, vnft = C.solve_a_walk_output(
+            q, k, v, beta, G, h0, rq, rk, ct, scale=scale, out_dtype=v.dtype, tapes=True)
+        assert uft is None
+        out["fused_tapes.A"], out["fused_tapes.o"] = (Aft, Ac), (oft, owt)
+        out["fused_tapes.final"], out["fused_tapes.w"] = (finft, finwt), (wft, wt)
+        out["fused_tapes.h"], out["fused_tapes.v_new"] = (hft, ht), (vnft, vnt)
         return out
 
     return run(q, k, v, g, beta, cu, h0)
@@ -192,8 +206,9 @@ def _targets(hlo) -> set:
 @pytest.mark.parametrize("qk_l2norm", [True, False])
 def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     """Every forward primitive is a custom call, and the forward has no while loop: the state walk
-    is a kernel, not a scan. Both modes run solve_a and one fused walk; light's (walk_output)
-    keeps no h tape or v_new, full's (walk_output_tapes) also returns h, v_new and w."""
+    is a kernel, not a scan. Both modes make A and run the fused walk in one call; light's
+    (solve_a_walk_output) keeps no h tape or v_new, full's (solve_a_walk_output_tapes) also
+    returns h, v_new and w."""
     need_ext()
     args = _abstract_inputs()
     f = _fwd("cuda", qk_l2norm, save_mode)
@@ -205,17 +220,16 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     assert want <= targets, (want, targets)
     assert not targets & FWD_UNWANTED[save_mode], targets
     assert "stablehlo.while" not in hlo
-    # A bf16 out of solve_a, into the walk (with beta f32); full: the walk's tapes in bf16
+    # A bf16 and the hand-off flags out, then o and the exit states; full: the walk's tapes in
+    # bf16
     walk = FWD_TARGETS[save_mode][-1]
-    sa = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_solve_a(" in ln]
     wo = [ln for ln in hlo.splitlines() if f"custom_call @jax_cake_gdn_{walk}(" in ln]
-    assert len(sa) == 1 and len(wo) == 1, (sa, wo)
-    assert re.search(r"-> tensor<\d+x6x64x64xbf16>", sa[0]), sa[0]
-    assert re.search(r"tensor<300x6xf32>, tensor<\d+x6x64x64xbf16>", wo[0]), wo[0]
-    if save_mode == "full":  # o, exit states, h, v_new, w
-        assert re.search(r"-> \(tensor<300x6x128xbf16>, tensor<5x6x128x128xf32>, "
-                         r"tensor<\d+x6x128x128xbf16>, tensor<300x6x128xbf16>, "
-                         r"tensor<300x6x128xbf16>\)", wo[0]), wo[0]
+    assert len(wo) == 1, wo
+    head = (r"-> \(tensor<(\d+)x6x64x64xbf16>, tensor<(\d+)xi32>, tensor<300x6x128xbf16>, "
+            r"tensor<5x6x128x128xf32>")
+    m = re.search(head + (r", tensor<\d+x6x128x128xbf16>, tensor<300x6x128xbf16>, "
+                          r"tensor<300x6x128xbf16>\)" if save_mode == "full" else r"\)"), wo[0])
+    assert m and int(m.group(2)) == 1 + int(m.group(1)) * 6, wo[0]
     xla_hlo = _lower_cuda(_fwd("xla", qk_l2norm, save_mode), *args)
     assert "stablehlo.while" in xla_hlo  # the xla walk is a scan: the check can fail
 
@@ -416,6 +430,8 @@ CONFIGS = [
     ("gva16x48-bf16-l2-h0", 16, 48, 128, 128, jnp.bfloat16, True, True, DOC_LENS),
     ("gva16x48-bf16-l2-h0-long", 16, 48, 128, 128, jnp.bfloat16, True, True, LONG_DOC_LENS),
     ("gva2x6-bf16-nol2", 2, 6, 128, 128, jnp.bfloat16, False, False, DOC_LENS),
+    # 30 walk CTAs: solve_a_walk_output hands A over chunk by chunk along a 192-chunk document
+    ("gva2x6-bf16-l2-h0-long", 2, 6, 128, 128, jnp.bfloat16, True, True, LONG_DOC_LENS),
     ("gva2x6-f32-l2-h0", 2, 6, 128, 128, jnp.float32, True, True, DOC_LENS),
     ("gva2x6-f32-k64v64-nol2-long", 2, 6, 64, 64, jnp.float32, False, False, LONG_DOC_LENS),
     ("gva2x6-bf16-k64v64-l2-h0", 2, 6, 64, 64, jnp.bfloat16, True, True, DOC_LENS),
@@ -448,7 +464,7 @@ def test_gpu_primitives_match_xla(cfg):
     for key in ("A~solve_a", "final~rev", "walk_output.o~rev", "replay.w~sep",
                 "replay.h~sep", "replay.v_new~sep", "walk_output_tapes.h",
                 "walk_output_tapes.v_new", "walk_output_tapes.w", "walk_output_tapes.final",
-                "walk_output_tapes.o"):
+                "walk_output_tapes.o") + tuple(k for k in pairs if k.startswith("fused")):
         assert np.array_equal(np.asarray(pairs[key][0]), np.asarray(pairs[key][1])), key
     # the fused walk + output from prep's A against the separate cuda state walk on prep's w, u:
     # the fused one makes w, u from A as prep does, so its walk (the final state) is theirs bit

@@ -39,6 +39,7 @@ __all__ = [
     "state_walk",
     "replay",
     "walk_output",
+    "solve_a_walk_output",
     "walk_bwd",
     "chunk_bwd",
     "walk_chunk_bwd",
@@ -452,9 +453,9 @@ def state_walk(k, w, u, G, h0, rstd_k, ct):
 
 
 def _from_a_inputs(fn, k, v, beta, A, G, h0, rstd_k, ct, seg_order=True):
-    """The checks of the walks that make w, u from A (walk_output, replay, transfer), k checked
-    already: (v, beta, A, G, h0, rstd_k or its placeholder, the tables (seg_order too unless
-    seg_order=False))."""
+    """The checks of the walks that make w, u from A (walk_output, replay, transfer; A None:
+    solve_a_walk_output, which makes it), k checked already: (v, beta, A, G, h0, rstd_k or its
+    placeholder, the tables (seg_order too unless seg_order=False))."""
     (T, H, K), NC = k.shape, None
     v, HV, V = _tokens(fn, "v", v, T, k, "k")
     _check_dims(fn, K=K, V=V)
@@ -463,7 +464,8 @@ def _from_a_inputs(fn, k, v, beta, A, G, h0, rstd_k, ct, seg_order=True):
     G = _f32(fn, "G", G, (T, HV))
     tab = _tables(fn, ct) if seg_order else _table(fn, ct) + _segments(fn, ct)
     NC, S = tab[0].shape[0], tab[4].shape[0]
-    A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
+    if A is not None:
+        A = _bf16(fn, "A", A, (NC, HV, _CHUNK, _CHUNK), _A_FROM)
     h0 = _f32(fn, "h0", h0, (S, HV, K, V))
     _below_2_31(fn, ("T", T), ("S * HV", S * HV), ("NC * HV * 64", NC * HV * _CHUNK))
     return v, beta, A, G, h0, _rstd(fn, "rstd_k", rstd_k, T, H), tab
@@ -521,6 +523,34 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale: float, ou
         return tuple(out)
     o, final, h, v_new, w = out
     return o, final, w, None, h, v_new  # u stays on chip, as in replay
+
+
+def solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, ct, *, scale: float, out_dtype,
+                        tapes: bool = False):
+    """`solve_a` then `walk_output` on its A in one call: (A,) + walk_output's results, each bit
+    for bit what the two calls give. When the walk's CTAs (one per segment and value head) fill
+    at most half the SMs and q, k, v are bf16, solve_a runs behind the walk on the SMs it leaves
+    idle (programmatic dependent launch; JAX_CAKE_GDN_PDL=0: before it), handing each chunk's A
+    over by a flag (cuda/handoff.cuh): one long document then pays for solve_a on idle SMs.
+    Inputs as walk_output takes them, without A."""
+    fn = "solve_a_walk_output"
+    q, k = _qk(fn, q, k)
+    v, beta, _, G, h0, rk, tab = _from_a_inputs(fn, k, v, beta, None, G, h0, rstd_k, ct)
+    (T, H, K), NC, HV, S, V = q.shape, tab[0].shape[0], beta.shape[1], h0.shape[0], v.shape[2]
+    rq = _rstd(fn, "rstd_q", rstd_q, T, H)
+    out_dtype = _out_dtype(fn, out_dtype)
+    results = [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((1 + NC * HV,), jnp.int32),
+               ((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)]
+    if tapes:
+        results += [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
+                    ((T, HV, K), jnp.bfloat16)]
+    out = _call(fn + ("_tapes" if tapes else ""), results, q, k, v, beta, G, h0, rq, rk, *tab,
+                scale=np.float32(scale))
+    A, o, final = out[0], out[2], out[3]
+    if not tapes:
+        return A, o, final
+    h, v_new, w = out[4:]
+    return A, o, final, w, None, h, v_new
 
 
 def transfer(k, v, beta, G, A, h0, rstd_k, ct, m_seg, b_seg):

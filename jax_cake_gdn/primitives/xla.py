@@ -216,6 +216,15 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scal
     return (o, final, w, u, h, v_new) if tapes else (o, final)
 
 
+def solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scale: float,
+                        out_dtype, tapes: bool = False):
+    """solve_a, then walk_output on its A (gdn's forward where no unit takes a carry): A first,
+    then walk_output's results."""
+    A = solve_a(k, beta, G, rstd_k, ct)
+    return (A,) + walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, scale=scale,
+                              out_dtype=out_dtype, tapes=tapes)
+
+
 def transfer(k, v, beta, G, A, h0, rstd_k, ct: ChunkTable, m_seg, b_seg):
     """The affine summaries of the units that need them (DESIGN section 3): per unit u,
 
