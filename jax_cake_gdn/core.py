@@ -5,11 +5,12 @@
 
 Forward: gate cumsum, L2-norm rstd, A; without `merge`, outside light's VJP, A and the walk come
 from one primitive (solve_a_walk_output: the cuda one overlaps them when few chains leave SMs
-idle). When `merge` is given (units that take a carry can exist), the transfer kernel summarises only the units that need it (M of a unit that takes a
-carry and passes it on, B of a unit that passes one on), `merge` composes the summaries along the
-units' chains into every unit's entry state (locally, or across ranks with a collective), and
-one walk_output runs every segment from its entry state. Without `merge` (no unit can take a
-carry: one device, one unit) this is exactly gdn's kernels.
+idle). When `merge` is given (units that take a carry can exist), the transfer kernel summarises
+only the units that need it (M of a unit that takes a carry and passes it on, B of a unit that
+passes one on), `merge` composes the summaries along the units' chains into every unit's entry
+state (locally, or across ranks with a collective), and one walk_output runs every segment from
+its entry state. Without `merge` (no unit can take a carry: one device, one unit) this is
+exactly gdn's kernels.
 
 Backward: the state walk's tapes (full) or their replay (light); when `merge` is given, the
 transfer's backward twin gives each carry-taking unit the gradient of its entry from what is known

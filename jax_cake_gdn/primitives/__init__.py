@@ -4,19 +4,19 @@ The custom_vjp rules (gdn.py) and the context-parallel logic (kcp/) are written 
 functions; `xla` implements all of them in jax.numpy, `cuda` replaces them with FFI kernels as
 they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels today).
 
-Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output
-(o, scores; xla only: the cuda walk_output fuses it); solve_a (prep's A alone) and walk_output
-(w, u from A, state_walk and output in one: o and exit states; with tapes=True also w, u, h,
-v_new as replay returns them), which gdn's forward uses (light: without the tapes; full: with
-them); solve_a_walk_output (the two in one call, where no unit takes a carry: the cuda one runs
-solve_a on the SMs a walk of few chains leaves idle). Backward: replay (w, u from the saved A and state_walk in one: the light mode's replay;
-the cuda one makes w, u on chip, bit for bit prep's, and returns u as None), walk_bwd (reverse
-state walk: dS_end, dh0 and each chunk's dvn), chunk_bwd (all input gradients from them),
-walk_chunk_bwd (the two in one, gdn's backward: the cuda one starts chunk_bwd's CTAs on the SMs
-the walk leaves idle). nan_unless (o, or NaN everywhere when traced cu_seqlens are malformed; the
-cuda one works in place). Segments and context parallelism: transfer (the affine summaries M, B
-of the units that need them, one state-only walk) and transfer_bwd (its backward twin: each
-carry-taking unit's entry gradient from a zero exit gradient).
+Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output (o,
+scores; xla only: the cuda walk_output fuses it); solve_a (prep's A alone) and walk_output (w, u
+from A, state_walk and output in one: o and exit states; with tapes=True also w, u, h, v_new as
+replay returns them), which gdn's forward uses (light: without the tapes; full: with them);
+solve_a_walk_output (the two in one call, where no unit takes a carry: the cuda one runs solve_a on
+the SMs a walk of few chains leaves idle). Backward: replay (w, u from the saved A and state_walk in
+one: the light mode's replay; the cuda one makes w, u on chip, bit for bit prep's, and returns u as
+None), walk_bwd (reverse state walk: dS_end, dh0 and each chunk's dvn), chunk_bwd (all input
+gradients from them), walk_chunk_bwd (the two in one, gdn's backward: the cuda one starts
+chunk_bwd's CTAs on the SMs the walk leaves idle). nan_unless (o, or NaN everywhere when traced
+cu_seqlens are malformed; the cuda one works in place). Segments and context parallelism: transfer
+(the affine summaries M, B of the units that need them, one state-only walk) and transfer_bwd (its
+backward twin: each carry-taking unit's entry gradient from a zero exit gradient).
 Signatures: see primitives/xla.py.
 
 The cuda set keeps A, w, u, v_new and the state tapes in bfloat16: its prep returns
@@ -69,8 +69,8 @@ XLA = Primitives("xla", **{name: getattr(xla, name) for name in Primitives._fiel
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
 CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "solve_a", "state_walk", "replay",
-                "walk_output", "solve_a_walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd", "nan_unless",
-                "transfer", "transfer_bwd")
+                "walk_output", "solve_a_walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd",
+                "nan_unless", "transfer", "transfer_bwd")
 BACKENDS = ("xla", "cuda")
 
 
