@@ -23,7 +23,6 @@ namespace jax_cake_gdn {
 namespace {
 
 // prep_kernel<In, K, kWU> over the NC x HV grid (kWU = false: v, w, u null, V unused).
-// prep_kernel<In, K, kWU> over the NC x HV grid (kWU = false: v, w, u null, V unused).
 template <bool kWU>
 ffi::Error launch_prep(cudaStream_t stream, const ffi::AnyBuffer& k, const void* v, F32 beta,
                        F32 G, F32 rstd_k, ChunkTable chunks, BF16 A, void* w, void* u,
