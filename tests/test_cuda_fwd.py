@@ -341,6 +341,8 @@ def test_bad_inputs_raise_value_error():
     replay = lambda v=v, A=A, h0=h0, ct=ct: cuda.replay(k, v, f, f, A, h0, None, ct)
     walk_output = lambda q=k, kk=k, v=v, A=A, h0=h0, rq=None, dt=bf: cuda.walk_output(
         q, kk, v, f, A, f, h0, rq, None, ct, scale=1.0, out_dtype=dt)
+    fused = lambda q=k, kk=k, v=v, b=f, h0=h0, dt=bf: cuda.solve_a_walk_output(
+        q, kk, v, b, f, h0, None, None, ct, scale=1.0, out_dtype=dt)
     short_order = ct._replace(seg_order=s[:2])
     cases = [
         (lambda: prep(k=k.astype(jnp.float16)), "bfloat16 or float32"),
@@ -371,6 +373,11 @@ def test_bad_inputs_raise_value_error():
         (lambda: walk_output(A=A[:2]), "A must have shape"),
         (lambda: walk_output(h0=h0[:2]), "h0"),
         (lambda: walk_output(rq=jnp.zeros((T, H + 1), f32)), "rstd_q"),
+        (lambda: fused(dt=jnp.float16), "solve_a_walk_output: out_dtype"),
+        (lambda: fused(kk=k.astype(f32)), "solve_a_walk_output: k must have q's dtype"),
+        (lambda: fused(v=v.astype(f32)), "solve_a_walk_output: v must have k's dtype"),
+        (lambda: fused(b=f[:, :5]), "solve_a_walk_output: beta must have shape (100, 6)"),
+        (lambda: fused(h0=h0[:2]), "solve_a_walk_output: h0 must have shape"),
     ]
     for call, msg in cases:
         with pytest.raises(ValueError, match=re.escape(msg)):
