@@ -512,13 +512,23 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale: float, ou
     v, beta, A, G, h0, rk, tab = _from_a_inputs(fn, k, v, beta, A, G, h0, rstd_k, ct)
     (T, H, K), (NC, HV), S, V = q.shape, A.shape[:2], h0.shape[0], v.shape[2]
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
-    out_dtype = _out_dtype(fn, out_dtype)
+    results = _walk_output_results(T, NC, S, HV, K, V, _out_dtype(fn, out_dtype), tapes)
+    out = _call("walk_output_tapes" if tapes else fn, results, q, k, v, beta, A, G, h0, rq, rk,
+                *tab, scale=np.float32(scale))
+    return _walk_output_returns(out, tapes)
+
+
+def _walk_output_results(T, NC, S, HV, K, V, out_dtype, tapes):
+    """The FFI results of walk_output(_tapes): o, exit states (and the tapes h, v_new, w)."""
     results = [((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)]
     if tapes:
         results += [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
                     ((T, HV, K), jnp.bfloat16)]
-    out = _call("walk_output_tapes" if tapes else fn, results, q, k, v, beta, A, G, h0, rq, rk,
-                *tab, scale=np.float32(scale))
+    return results
+
+
+def _walk_output_returns(out, tapes):
+    """walk_output's return from those results: (o, final) or (o, final, w, None, h, v_new)."""
     if not tapes:
         return tuple(out)
     o, final, h, v_new, w = out
@@ -529,28 +539,20 @@ def solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, ct, *, scale: floa
                         tapes: bool = False):
     """`solve_a` then `walk_output` on its A in one call: (A,) + walk_output's results, each bit
     for bit what the two calls give. When the walk's CTAs (one per segment and value head) fill
-    at most half the SMs and q, k, v are bf16, solve_a runs behind the walk on the SMs it leaves
-    idle (programmatic dependent launch; JAX_CAKE_GDN_PDL=0: before it), handing each chunk's A
-    over by a flag (cuda/handoff.cuh): one long document then pays for solve_a on idle SMs.
+    at most half the SMs and q, k, v are bf16, solve_a runs on the other SMs and the walk starts
+    behind it (programmatic dependent launch; JAX_CAKE_GDN_PDL=0: after it), waiting for each
+    chunk's A on a flag (cuda/handoff.cuh): one long document then pays for solve_a on idle SMs.
     Inputs as walk_output takes them, without A."""
     fn = "solve_a_walk_output"
     q, k = _qk(fn, q, k)
     v, beta, _, G, h0, rk, tab = _from_a_inputs(fn, k, v, beta, None, G, h0, rstd_k, ct)
     (T, H, K), NC, HV, S, V = q.shape, tab[0].shape[0], beta.shape[1], h0.shape[0], v.shape[2]
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
-    out_dtype = _out_dtype(fn, out_dtype)
-    results = [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((1 + NC * HV,), jnp.int32),
-               ((T, HV, V), out_dtype), ((S, HV, K, V), jnp.float32)]
-    if tapes:
-        results += [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
-                    ((T, HV, K), jnp.bfloat16)]
+    results = ([((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((1 + NC * HV,), jnp.int32)]  # A, flags
+               + _walk_output_results(T, NC, S, HV, K, V, _out_dtype(fn, out_dtype), tapes))
     out = _call(fn + ("_tapes" if tapes else ""), results, q, k, v, beta, G, h0, rq, rk, *tab,
                 scale=np.float32(scale))
-    A, o, final = out[0], out[2], out[3]
-    if not tapes:
-        return A, o, final
-    h, v_new, w = out[4:]
-    return A, o, final, w, None, h, v_new
+    return (out[0],) + _walk_output_returns(out[2:], tapes)
 
 
 def transfer(k, v, beta, G, A, h0, rstd_k, ct, m_seg, b_seg):
