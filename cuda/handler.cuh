@@ -167,6 +167,18 @@ inline cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cu
   return cudaGetLastError();
 }
 
+// SMs of the current device (read once per process; 0 if unknown).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, count = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 0;
+    return count;
+  }();
+  return n;
+}
+
 // JAX_CAKE_GDN_PDL=0 (read once per process): no programmatic dependent launch (launch(true,
 // ...) waits for the kernel before it, as a plain launch).
 inline bool pdl_enabled() {

@@ -96,17 +96,6 @@ ffi::Error solve_a(cudaStream_t stream, ffi::AnyBuffer k, F32 beta, F32 G, F32 r
 
 }  // namespace
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, count = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 0;
-    return count;
-  }();
-  return n;
-}
-
 ffi::Error launch_solve_a(cudaStream_t stream, const ffi::AnyBuffer& k, F32 beta, F32 G,
                           F32 rstd_k, ChunkTable chunks, BF16 A, int32_t* a_ready, int reserve) {
   if (a_ready != nullptr)

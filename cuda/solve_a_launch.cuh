@@ -1,5 +1,4 @@
-// solve_a's launch (prep.cu), which walk_fwd.cu's solve_a_walk_output also makes, and the SM
-// count it plans by.
+// solve_a's launch (prep.cu), which walk_fwd.cu's solve_a_walk_output also makes.
 #pragma once
 
 #include "handler.cuh"
@@ -12,8 +11,5 @@ namespace jax_cake_gdn {
 // item's A published on a_ready[1 + item] (handoff.cuh).
 ffi::Error launch_solve_a(cudaStream_t stream, const ffi::AnyBuffer& k, F32 beta, F32 G,
                           F32 rstd_k, ChunkTable chunks, BF16 A, int32_t* a_ready, int reserve);
-
-// SMs of the current device (read once per process; 0 if unknown).
-int sm_count();
 
 }  // namespace jax_cake_gdn
