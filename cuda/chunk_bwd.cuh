@@ -233,10 +233,34 @@ __device__ __forceinline__ int cb_col(int n0, int nt, int e) {
 }
 
 // Rows i < len of a tile to row(i) (a global row pointer, f32 or bf16; columns n0..), each
-// element times scale(i); add (f32 rows only): atomically added to what is there instead.
+// element times scale(i); add (f32 rows only): atomically added to what is there instead, as
+// 16-byte adds: lanes 2p, 2p + 1 of a quad swap pairs, so lane 2p holds four adjacent columns of
+// its upper row and lane 2p + 1 four of its lower row (half the requests of 8-byte adds).
 template <typename Row, typename Scale>
 __device__ __forceinline__ void cb_store_rows(const float (&acc)[4][4], int len, int m0, int n0,
                                               Row row, Scale scale, bool add = false) {
+  if constexpr (std::is_same_v<std::remove_pointer_t<decltype(row(0))>, float>) {
+    if (add) {
+      const bool lower = threadIdx.x & 1;  // this lane keeps its lower row (e = 2, 3)
+      const int i = cb_row(m0, lower ? 2 : 0);
+      const float r0 = scale(cb_row(m0, 0)), r1 = scale(cb_row(m0, 2));
+      float* op = i < len ? row(i) : nullptr;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        // send the pair this lane does not keep; receive the partner's pair of the kept row
+        const float s0 = lower ? r0 * acc[nt][0] : r1 * acc[nt][2];
+        const float s1 = lower ? r0 * acc[nt][1] : r1 * acc[nt][3];
+        const float g0 = __shfl_xor_sync(0xffffffffu, s0, 1);
+        const float g1 = __shfl_xor_sync(0xffffffffu, s1, 1);
+        if (op != nullptr) {
+          const float4 x = lower ? make_float4(g0, g1, r1 * acc[nt][2], r1 * acc[nt][3])
+                                 : make_float4(r0 * acc[nt][0], r0 * acc[nt][1], g0, g1);
+          atomicAdd(reinterpret_cast<float4*>(op + (cb_col(n0, nt, 0) & ~3)), x);
+        }
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int i = cb_row(m0, 2 * hf);
@@ -244,16 +268,8 @@ __device__ __forceinline__ void cb_store_rows(const float (&acc)[4][4], int len,
       auto* op = row(i);
       const float r = scale(i);
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const float a = r * acc[nt][2 * hf], b = r * acc[nt][2 * hf + 1];
-        if constexpr (std::is_same_v<std::remove_pointer_t<decltype(op)>, float>) {
-          if (add) {
-            atomicAdd(reinterpret_cast<float2*>(op + cb_col(n0, nt, 0)), make_float2(a, b));
-            continue;
-          }
-        }
-        store2(op + cb_col(n0, nt, 0), a, b);
-      }
+      for (int nt = 0; nt < 4; ++nt) store2(op + cb_col(n0, nt, 0), r * acc[nt][2 * hf],
+                                            r * acc[nt][2 * hf + 1]);
     }
   }
 }
