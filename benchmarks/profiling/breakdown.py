@@ -41,6 +41,8 @@ def main(argv=None):
     p.add_argument("--ops", default="fwd,fwd+bwd")
     p.add_argument("--segments", default="1,2,4", help="P values (0: gdn_kcp planned, W = 1)")
     p.add_argument("--save-mode", default="full")
+    p.add_argument("--deterministic", action="store_true",
+                   help="gdn(deterministic=True): dq, dk per value head, no atomic group sums")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--backend", default="cuda", help="cuda, or xla (no device events on a CPU)")
     a = p.parse_args(argv)
@@ -61,7 +63,8 @@ def main(argv=None):
             for n in ("q", "k", "v", "g", "beta")]
     cu = jnp.asarray(inp["cu_seqlens"], jnp.int32)
     do = jnp.asarray(inp["do"]).astype(act)
-    kw = dict(qk_l2norm=wl.qk_l2norm, save_mode=a.save_mode, backend=a.backend)
+    kw = dict(qk_l2norm=wl.qk_l2norm, save_mode=a.save_mode, backend=a.backend,
+              deterministic=a.deterministic)
     mesh = jax.make_mesh((1,), ("cp",), devices=jax.devices()[:1])
 
     tok, rep = NamedSharding(mesh, P(None, "cp")), NamedSharding(mesh, P())
