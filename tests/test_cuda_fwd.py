@@ -230,6 +230,10 @@ def test_lower_gdn_forward_for_cuda(qk_l2norm, save_mode):
     m = re.search(head + (r", tensor<\d+x6x128x128xbf16>, tensor<300x6x128xbf16>, "
                           r"tensor<300x6x128xbf16>\)" if save_mode == "full" else r"\)"), wo[0])
     assert m and int(m.group(2)) == 1 + int(m.group(1)) * 6, wo[0]
+    if save_mode == "full":  # without differentiation full writes no tapes: light's calls
+        plain = _targets(_lower_cuda(_fwd("cuda", qk_l2norm, save_mode), *args))
+        assert want - {walk} | {FWD_TARGETS["light"][-1]} <= plain, plain
+        assert not plain & FWD_UNWANTED["light"], plain
     xla_hlo = _lower_cuda(_fwd("xla", qk_l2norm, save_mode), *args)
     assert "stablehlo.while" in xla_hlo  # the xla walk is a scan: the check can fail
 
