@@ -11,15 +11,12 @@
 namespace jax_cake_gdn {
 
 struct KernelPlan {
-  // poison the outputs; zero_sums: and zero chunk_bwd's atomic group sums (false: the walk
-  // zeroes them, Handoff::zero_dq)
-  std::function<ffi::Error(cudaStream_t, bool zero_sums)> prepare;
+  // poison the outputs (and zero chunk_bwd's atomic group sums)
+  std::function<ffi::Error(cudaStream_t)> prepare;
   std::function<ffi::Error(cudaStream_t, Handoff)> launch;  // Handoff{}: the kernel alone
   int64_t ctas = 0;   // CTAs of the launch
   int tiles = 1;      // the walk's CTAs an item
   int64_t items = 0;  // (chunk, value head) items, NC * HV
-  float* sums_dq = nullptr;  // chunk_bwd's atomic group sums, f32 [T, H, K] (null: per head)
-  float* sums_dk = nullptr;
 };
 
 // The reverse walk's operands (walk_bwd.cu). slots: the segment each CTA slot walks (seg_order;

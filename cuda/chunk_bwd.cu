@@ -37,15 +37,17 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
   }
   plan.ctas = NC * HV;
   plan.items = NC * HV;
-  if (sum_groups) {
-    plan.sums_dq = out.dQ.typed_data();
-    plan.sums_dk = out.dK.typed_data();
-  }
-  plan.prepare = [=](cudaStream_t stream, bool zero_sums) {
+  plan.prepare = [=](cudaStream_t stream) {
     ChunkBwdOut o = out;
-    if (sum_groups && zero_sums) {  // the kernel adds every value head's rows into them
-      JCG_CHECK_CUDA(cudaMemsetAsync(o.dQ.untyped_data(), 0, o.dQ.size_bytes(), stream));
-      JCG_CHECK_CUDA(cudaMemsetAsync(o.dK.untyped_data(), 0, o.dK.size_bytes(), stream));
+    if (sum_groups) {  // the kernel adds every value head's rows into them
+      const int64_t n = o.dQ.size_bytes() / sizeof(float4);  // T H K, K a multiple of 4
+      if (n > 0) {
+        const int64_t blocks = std::min<int64_t>((n + 255) / 256, int64_t{sm_count()} * 8);
+        zero_sums_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+            static_cast<float4*>(o.dQ.untyped_data()), static_cast<float4*>(o.dK.untyped_data()),
+            n);
+        JCG_CHECK_CUDA(cudaGetLastError());
+      }
     } else {
       JCG_CHECK_CUDA(poison_all(stream, o.dQ, o.dK));
     }
@@ -89,7 +91,7 @@ ffi::Error chunk_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ff
   JCG_RETURN_IF_ERROR(plan_chunk_bwd(
       {q, k, v, beta, G, A, h, v_new, dS_end, dvn, dout, rstd_q, rstd_k, chunks, *scale},
       {*dQ, *dK, *dV, *dg, *dbeta}, plan));
-  JCG_RETURN_IF_ERROR(plan.prepare(stream, true));
+  JCG_RETURN_IF_ERROR(plan.prepare(stream));
   return plan.launch(stream, Handoff{});
 }
 

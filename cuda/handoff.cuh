@@ -7,9 +7,6 @@
 //   [0] walk CTAs finished; [1 + item] walk CTAs (column tiles) whose part of the item is stored.
 // The walk publishes with release adds once the stores are complete; chunk_bwd acquires. An item
 // no walk CTA covers (only with a malformed segment table) is released when the walk finishes.
-// With the atomic GVA group sums (zero_dq, zero_dk) the walk also zeroes their rows: the CTA of
-// each group's first value head, a chunk's rows before it publishes the chunk; chunk_bwd then
-// waits for that item too before its first add (no memsets in front of the walk).
 #pragma once
 
 #include <cstdint>
@@ -20,8 +17,6 @@ struct Handoff {
   int32_t* data = nullptr;  // null: no hand-off (the kernels alone)
   int walk_ctas = 0;        // CTAs of the walk
   int tiles = 0;            // walk CTAs an item (its column tiles)
-  float* zero_dq = nullptr;  // f32 [T, H, K] group sums the walk zeroes, or null
-  float* zero_dk = nullptr;
 };
 
 __device__ __forceinline__ void red_add_release_gpu(int32_t* p, int v) {

@@ -64,7 +64,7 @@ ffi::Error plan_walk(const WalkBwdIn& in, const BF16* dS_end, F32 dh0, const BF1
   plan.ctas = slots * HV * (V / vt);
   plan.tiles = static_cast<int>(V / vt);
   plan.items = NC * HV;
-  plan.prepare = [=](cudaStream_t stream, bool) {
+  plan.prepare = [=](cudaStream_t stream) {
     JCG_CHECK_CUDA(poison(stream, dh0));
     if (!kTwin) {
       JCG_CHECK_CUDA(poison(stream, dS_end_data, NC * HV * K * V * sizeof(bf16)));
@@ -101,7 +101,7 @@ ffi::Error plan_walk(const WalkBwdIn& in, const BF16* dS_end, F32 dh0, const BF1
 
 // A plan run alone (no hand-off).
 ffi::Error run(KernelPlan& plan, cudaStream_t stream) {
-  JCG_RETURN_IF_ERROR(plan.prepare(stream, true));
+  JCG_RETURN_IF_ERROR(plan.prepare(stream));
   return plan.launch(stream, Handoff{});
 }
 

@@ -43,8 +43,6 @@
 // once its dS_end and dvn stores are complete: the compute warpgroups' storing threads wait for
 // chunk c + 1's stores at the end of chunk c, the producer publishes chunk c + 2 after the
 // barrier that opens chunk c (off the compute chain), thread 0 the last two after the loop.
-// With zero_dq, zero_dk the producer of a group's first value head (column tile 0) also zeroes
-// the group's rows of each chunk after the barrier that opens it.
 // kTwin (transfer_bwd, the backward twin of the units' summaries): the CTAs are (unit, head,
 // tile) slots, seg_order maps a slot to its segment (-1: none, dh0 zeros), dh0 is per slot, and
 // neither dS_end nor dvn is stored (Dvn stays a slab for the update).
@@ -55,23 +53,6 @@
 #include "wg_acc.cuh"
 
 namespace jax_cake_gdn {
-
-// Rows 0..len - 1 of one head of the f32 [T, H, K] arrays dq, dk (base: the first row's offset)
-// set to zero by Threads threads (t: this thread's index among them). Not inlined: the walk's
-// producer warpgroup runs at 56 registers.
-template <int K, int Threads>
-__device__ __noinline__ void walk_bwd_zero_rows(float* dq, float* dk, int64_t base, int len,
-                                                int H, int t) {
-  constexpr int kPer = K / 4;  // float4 a row
-  float4* zq = reinterpret_cast<float4*>(dq + base);
-  float4* zk = reinterpret_cast<float4*>(dk + base);
-  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int e = t; e < len * kPer; e += Threads) {
-    const int o = (e / kPer) * (H * kPer) + e % kPer;  // row e / kPer, in float4
-    zq[o] = z;
-    zk[o] = z;
-  }
-}
 
 template <int K, int VT>
 struct WalkBwdWgSmem {
@@ -222,7 +203,6 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     const Cta a = cta();
     if (a.empty) return;
     const int hv = a.hv, hk = a.hk, v0 = a.v0, c_first = a.c_first, c_last = a.c_last;
-    const bool zero_rows = handoff.zero_dq != nullptr && hv % (HV / H) == 0 && v0 == 0;
     float* stG = reinterpret_cast<float*>(smem + Sm::oStG);  // the producer's own rows
     float* stRq = stG + kChunk;
     float* stRk = stRq + kChunk;
@@ -294,11 +274,6 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c + 1
       // chunk c + 2's stores completed before the compute warps reached this barrier
       if (publish && pt == 0 && c + 2 <= c_last) handoff_publish(handoff, (c + 2) * HV + hv);
-      if (zero_rows) {  // before chunk_bwd adds (published with the chunk, two barriers later)
-        const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-        walk_bwd_zero_rows<K, kLoaders>(handoff.zero_dq, handoff.zero_dk, (cs.start * H + hk) * K,
-                                        cs.len, H, pt);
-      }
     }
     if (publish)
       asm volatile("bar.arrive %0, %1;\n" ::"n"(kHandoffBarrier), "n"(kCompute + kLoaders)

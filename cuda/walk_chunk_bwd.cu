@@ -31,13 +31,12 @@ ffi::Error walk_chunk_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   JCG_RETURN_IF_ERROR(plan_chunk_bwd(
       {q, k, v, beta, G, A, h, v_new, *dS_end, *dvn, dout, rstd_q, rstd_k, chunks, *scale},
       {*dQ, *dK, *dV, *dg, *dbeta}, chunk));
-  // Everything the two kernels need before the walk starts: nothing may run between them. The
-  // atomic group sums are zeroed by the walk, not by memsets here.
+  // Everything the two kernels need before the walk starts (the hand-off zeroed, the atomic
+  // group sums too): nothing may run between them.
   JCG_CHECK_CUDA(cudaMemsetAsync(handoff->untyped_data(), 0, handoff->size_bytes(), stream));
-  JCG_RETURN_IF_ERROR(chunk.prepare(stream, false));
-  JCG_RETURN_IF_ERROR(walk.prepare(stream, false));
-  const Handoff hand{handoff->typed_data(), static_cast<int>(walk.ctas), walk.tiles,
-                     chunk.sums_dq, chunk.sums_dk};
+  JCG_RETURN_IF_ERROR(chunk.prepare(stream));
+  JCG_RETURN_IF_ERROR(walk.prepare(stream));
+  const Handoff hand{handoff->typed_data(), static_cast<int>(walk.ctas), walk.tiles};
   JCG_RETURN_IF_ERROR(walk.launch(stream, hand));
   return chunk.launch(stream, hand);
 }
