@@ -40,14 +40,8 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
   plan.prepare = [=](cudaStream_t stream) {
     ChunkBwdOut o = out;
     if (sum_groups) {  // the kernel adds every value head's rows into them
-      const int64_t n = o.dQ.size_bytes() / sizeof(float4);  // T H K, K a multiple of 4
-      if (n > 0) {
-        const int64_t blocks = std::min<int64_t>((n + 255) / 256, int64_t{sm_count()} * 8);
-        zero_sums_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-            static_cast<float4*>(o.dQ.untyped_data()), static_cast<float4*>(o.dK.untyped_data()),
-            n);
-        JCG_CHECK_CUDA(cudaGetLastError());
-      }
+      JCG_CHECK_CUDA(cudaMemsetAsync(o.dQ.untyped_data(), 0, o.dQ.size_bytes(), stream));
+      JCG_CHECK_CUDA(cudaMemsetAsync(o.dK.untyped_data(), 0, o.dK.size_bytes(), stream));
     } else {
       JCG_CHECK_CUDA(poison_all(stream, o.dQ, o.dK));
     }

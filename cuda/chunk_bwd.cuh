@@ -344,18 +344,6 @@ __device__ __forceinline__ float cb_pair_at(const uint32_t (&p)[4][2], int nt, i
   return (e & 1) ? f.y : f.x;
 }
 
-// The atomic group sums' outputs a, b (n float4 each) set to zero before chunk_bwd adds into
-// them (a kernel: memset nodes of a command buffer ran at a tenth of the bandwidth).
-__global__ void __launch_bounds__(256) zero_sums_kernel(float4* __restrict__ a,
-                                                        float4* __restrict__ b, int64_t n) {
-  const float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    a[i] = z;
-    b[i] = z;
-  }
-}
-
 template <typename In, int K, int V>
 __global__ void __launch_bounds__(kCbThreads, 1)
     chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,

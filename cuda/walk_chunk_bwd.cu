@@ -32,7 +32,8 @@ ffi::Error walk_chunk_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
       {q, k, v, beta, G, A, h, v_new, *dS_end, *dvn, dout, rstd_q, rstd_k, chunks, *scale},
       {*dQ, *dK, *dV, *dg, *dbeta}, chunk));
   // Everything the two kernels need before the walk starts (the hand-off zeroed, the atomic
-  // group sums too): nothing may run between them.
+  // group sums too, by memsets: in the walk's producer the stores lengthened its chain): nothing
+  // may run between them.
   JCG_CHECK_CUDA(cudaMemsetAsync(handoff->untyped_data(), 0, handoff->size_bytes(), stream));
   JCG_RETURN_IF_ERROR(chunk.prepare(stream));
   JCG_RETURN_IF_ERROR(walk.prepare(stream));

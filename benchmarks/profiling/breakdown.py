@@ -19,8 +19,8 @@ import tempfile
 
 def _short(name: str) -> str:
     """A kernel's name without its template arguments (walk_fwd_wg_kernel<kTransfer, ...>)."""
-    for key in ("walk_fwd_wg", "walk_bwd_wg", "chunk_bwd", "zero_sums", "prep", "gate_cumsum",
-                "l2norm", "nan_unless", "conv"):
+    for key in ("walk_fwd_wg", "walk_bwd_wg", "chunk_bwd", "prep", "gate_cumsum", "l2norm",
+                "nan_unless", "conv"):
         if key in name:
             mode = ""
             if key == "walk_fwd_wg":  # mangled ...WalkModeE4E... or demangled (...WalkMode)4
