@@ -39,7 +39,8 @@
 //
 // Where a stage's result is 64 x 128, each warpgroup's two blocks thus go out as one m64n64 chain
 // (half the A-operand reads from shared memory of two m64n32 chains), and a stage's chains go out
-// as one batch before one wait (cb_batch). Whatever a stage's epilogue needs besides the products
+// as one batch before one wait (cb_batch). Products that do not read each other's results share
+// a batch: dQ's and dK's two halves (stages 2 and 3), and dbV with dbK (stage 5). Whatever a stage's epilogue needs besides the products
 // (G, beta and their exponentials, the bf16 Q / K / V elements as 4-byte pairs, sum(dS o h), the
 // final per-row reductions) is loaded and computed between the commit and the wait (cb_batch_pre),
 // while the chains run: the same operations on the same values, so every output keeps its bits.
@@ -222,6 +223,26 @@ __device__ __forceinline__ void cb_batch_pre(Issue&& issue, Pre&& pre, float (&a
   wgmma_commit();
   pre();
   cb_end_all_wait(acc, more...);
+}
+
+// Column n0 of this warpgroup's first block in a 64 x (64 NB) result (cb_tile_pos's).
+template <int NB>
+__device__ __forceinline__ int cb_n0() {
+  int m0, n0;
+  cb_tile_pos<NB>(0, m0, n0);
+  return n0;
+}
+
+// cb_batch_pre for results of different widths: issue() puts every chain in flight, taking each
+// array's n0 from cb_n0.
+template <int... N, typename Issue, typename Pre>
+__device__ __forceinline__ void cb_batch_mixed(Issue&& issue, Pre&& pre,
+                                               float (&... acc)[N][4][4]) {
+  cb_begin_all(acc...);
+  issue();
+  wgmma_commit();
+  pre();
+  cb_end_all_wait(acc...);
 }
 
 // Element (nt, e) of a tile: row m0 + g + 8 (e / 2), column n0 + 8 nt + 2 q + (e % 2).
@@ -527,43 +548,58 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   fence_proxy_async();
   __syncthreads();  // M, dGam, h, dS_end, dvn (and A) complete
 
-  // ---- stage 2: dQ = diag(e^G) dQg + dGam K, dQg = scale dO h^T  (written to global)
-  // (this stage and the next ones issue the chains of all their blocks as one batch)
+  // ---- stages 2 and 3, one batch each for their two halves (neither reads the other's results):
+  //   dQ = diag(e^G) dQg + dGam K, dQg = scale dO h^T  (written to global)
+  //   dK (registers) = diag(dec) vn dS^T + dGam^T Q
+  // (these stages and the next ones issue the chains of all their blocks as one batch)
+  float dk[K / 64][4][4];
   {
     float acc[K / 64][4][4];
 #pragma unroll
-    for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    uint32_t qp[K / 64][4][2];  // Q's elements, e^G of the rows: loaded while the chains run
-    float gr[2], egr[2];
+    for (int it = 0; it < K / 64; ++it) {
+      zero_acc(acc[it]);
+      zero_acc(dk[it]);
+    }
+    // Q's and K's elements, e^G and e^{G_C - G} of the rows: loaded while the chains run
+    uint32_t qp[K / 64][4][2], kp[K / 64][4][2];
+    float gr[2], egr[2], decr[2];
     cb_ld_rows(gr, sG);
-    cb_batch_pre([&](int n0) { cb_mma<V, false, true, K>(acc, DOs, Hs, n0); },
-                 [&] {
-                   int m0, n0;
+    cb_batch_pre(
+        [&](int n0) {
+          cb_mma<V, false, true, K>(acc, DOs, Hs, n0);
+          cb_mma<V, false, true, K>(dk, VNs, DSs, n0);
+        },
+        [&] {
+          int m0, n0;
 #pragma unroll
-                   for (int it = 0; it < K / 64; ++it) {
-                     cb_tile_pos<K / 64>(it, m0, n0);
-                     cb_ld_pairs(qp[it], [&](int r, int c) { return at64(Qs, r, c); }, m0, n0);
-                   }
+          for (int it = 0; it < K / 64; ++it) {
+            cb_tile_pos<K / 64>(it, m0, n0);
+            cb_ld_pairs(qp[it], [&](int r, int c) { return at64(Qs, r, c); }, m0, n0);
+            cb_ld_pairs(kp[it], [&](int r, int c) { return at64(Ks, r, c); }, m0, n0);
+          }
 #pragma unroll
-                   for (int hf = 0; hf < 2; ++hf) egr[hf] = exp_ftz(gr[hf]);
-                   // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over its
-                   // TilePieces of the two, in a fixed order (h, dS_end stay until stage 4
-                   // overwrites dS_end, after a barrier)
-                   float hds = 0.f;
+          for (int hf = 0; hf < 2; ++hf) {
+            egr[hf] = exp_ftz(gr[hf]);
+            decr[hf] = exp_ftz(GC - gr[hf]);
+          }
+          // sum(dS o h) of the bf16 values, f32 arithmetic: each thread over its TilePieces of
+          // the two, in a fixed order (h, dS_end stay until stage 4 overwrites dS_end, after a
+          // barrier)
+          float hds = 0.f;
 #pragma unroll 2
-                   for (int j = 0; j < PH::kPer; ++j) {
-                     const int r = PH::row0() + j * PH::kRowStep, c8 = PH::col();
-                     float fh[8], fs[8];
-                     lds8(atK(Hs, r, c8), fh);
-                     lds8(atK(DSs, r, c8), fs);
+          for (int j = 0; j < PH::kPer; ++j) {
+            const int r = PH::row0() + j * PH::kRowStep, c8 = PH::col();
+            float fh[8], fs[8];
+            lds8(atK(Hs, r, c8), fh);
+            lds8(atK(DSs, r, c8), fs);
 #pragma unroll
-                     for (int e = 0; e < 8; ++e) hds = fmaf(fh[e], fs[e], hds);
-                   }
+            for (int e = 0; e < 8; ++e) hds = fmaf(fh[e], fs[e], hds);
+          }
 #pragma unroll
-                   for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);
-                   if (lane == 0) sRed[warp] = hds;
-                 },
-                 acc);
+          for (int o = 16; o > 0; o >>= 1) hds += __shfl_xor_sync(0xffffffffu, hds, o);
+          if (lane == 0) sRed[warp] = hds;
+        },
+        acc, dk);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
@@ -574,8 +610,18 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         s += dqg * cb_pair_at(qp[it], nt, e) * eg;
         acc[it][nt][e] = dqg * eg;
       });
+      cb_row_sums(pb, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
+        const float dec = decr[e >> 1];
+        s += dk[it][nt][e] * cb_pair_at(kp[it], nt, e) * dec;
+        dk[it][nt][e] *= dec;
+      });
     }
-    cb_batch([&](int n0) { cb_mma<kChunk, false, false>(acc, DGm, Ks, n0); }, acc);
+    cb_batch(
+        [&](int n0) {
+          cb_mma<kChunk, false, false>(acc, DGm, Ks, n0);
+          cb_mma<kChunk, true, false>(dk, DGm, Qs, n0);
+        },
+        acc, dk);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
@@ -586,39 +632,6 @@ __global__ void __launch_bounds__(kCbThreads, 1)
           [](int) { return 1.f; }, sum_groups);
     }
   }
-
-  // ---- stage 3: dK (registers) = diag(dec) vn dS^T + dGam^T Q
-  float dk[K / 64][4][4];
-#pragma unroll
-  for (int it = 0; it < K / 64; ++it) zero_acc(dk[it]);
-  {
-    uint32_t kp[K / 64][4][2];  // K's elements, e^{G_C - G} of the rows: while the chains run
-    float gr[2], decr[2];
-    cb_ld_rows(gr, sG);
-    cb_batch_pre([&](int n0) { cb_mma<V, false, true, K>(dk, VNs, DSs, n0); },
-                 [&] {
-                   int m0, n0;
-#pragma unroll
-                   for (int it = 0; it < K / 64; ++it) {
-                     cb_tile_pos<K / 64>(it, m0, n0);
-                     cb_ld_pairs(kp[it], [&](int r, int c) { return at64(Ks, r, c); }, m0, n0);
-                   }
-#pragma unroll
-                   for (int hf = 0; hf < 2; ++hf) decr[hf] = exp_ftz(GC - gr[hf]);
-                 },
-                 dk);
-#pragma unroll
-    for (int it = 0; it < K / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos<K / 64>(it, m0, n0);
-      cb_row_sums(pb, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
-        const float dec = decr[e >> 1];
-        s += dk[it][nt][e] * cb_pair_at(kp[it], nt, e) * dec;
-        dk[it][nt][e] *= dec;
-      });
-    }
-  }
-  cb_batch([&](int n0) { cb_mma<kChunk, true, false>(dk, DGm, Qs, n0); }, dk);
   fence_proxy_async();
   __syncthreads();  // Q, dO, vn, dS, dGam dead
 
@@ -684,60 +697,56 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cb_st2(at64(DA, i1, j), x[2], x[3]);
     }
   }
-  {
-    float acc[V / 64][4][4];
+  {  // dbV = A^T du -> dV, dbK = A^T dw -> dK: one batch
+    float av[V / 64][4][4], ak[K / 64][4][4];
 #pragma unroll
-    for (int it = 0; it < V / 64; ++it) zero_acc(acc[it]);
-    uint32_t vp[V / 64][4][2];  // V's elements, while the chains run
-    cb_batch_pre([&](int n0) { cb_mma<kChunk, true, false>(acc, As, Du, n0); },
-                 [&] {
+    for (int it = 0; it < V / 64; ++it) zero_acc(av[it]);
 #pragma unroll
-                   for (int it = 0; it < V / 64; ++it) {
-                     int m0, n0;
-                     cb_tile_pos<V / 64>(it, m0, n0);
-                     cb_ld_pairs(vp[it], [&](int r, int c) { return at64(Vs, r, c); }, m0, n0);
-                   }
-                 },
-                 acc);
+    for (int it = 0; it < K / 64; ++it) zero_acc(ak[it]);
+    // V's and K's elements, beta e^G of the rows: while the chains run
+    uint32_t vp[V / 64][4][2], kp[K / 64][4][2];
+    float gr[2], br[2], bgr[2];
+    cb_ld_rows(gr, sG);
+    cb_ld_rows(br, sB);
+    cb_batch_mixed(
+        [&] {
+          cb_mma<kChunk, true, false>(av, As, Du, cb_n0<V / 64>());
+          cb_mma<kChunk, true, false>(ak, As, Dw, cb_n0<K / 64>());
+        },
+        [&] {
+          int m0, n0;
+#pragma unroll
+          for (int it = 0; it < V / 64; ++it) {
+            cb_tile_pos<V / 64>(it, m0, n0);
+            cb_ld_pairs(vp[it], [&](int r, int c) { return at64(Vs, r, c); }, m0, n0);
+          }
+#pragma unroll
+          for (int it = 0; it < K / 64; ++it) {
+            cb_tile_pos<K / 64>(it, m0, n0);
+            cb_ld_pairs(kp[it], [&](int r, int c) { return at64(Ks, r, c); }, m0, n0);
+          }
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) bgr[hf] = br[hf] * exp_ftz(gr[hf]);
+        },
+        av, ak);
 #pragma unroll
     for (int it = 0; it < V / 64; ++it) {
       int m0, n0;
       cb_tile_pos<V / 64>(it, m0, n0);
       cb_row_sums(pc, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
-        s += acc[it][nt][e] * cb_pair_at(vp[it], nt, e);
+        s += av[it][nt][e] * cb_pair_at(vp[it], nt, e);
       });
       cb_store_rows(
-          acc[it], len, m0, n0, [&](int i) { return dV + ((cs.start + i) * HV + hv) * V; },
+          av[it], len, m0, n0, [&](int i) { return dV + ((cs.start + i) * HV + hv) * V; },
           [&](int i) { return sB[i]; });
     }
-  }
-  {
-    float acc[K / 64][4][4];
-#pragma unroll
-    for (int it = 0; it < K / 64; ++it) zero_acc(acc[it]);
-    uint32_t kp[K / 64][4][2];  // K's elements, beta e^G of the rows: while the chains run
-    float gr[2], br[2], bgr[2];
-    cb_ld_rows(gr, sG);
-    cb_ld_rows(br, sB);
-    cb_batch_pre([&](int n0) { cb_mma<kChunk, true, false>(acc, As, Dw, n0); },
-                 [&] {
-                   int m0, n0;
-#pragma unroll
-                   for (int it = 0; it < K / 64; ++it) {
-                     cb_tile_pos<K / 64>(it, m0, n0);
-                     cb_ld_pairs(kp[it], [&](int r, int c) { return at64(Ks, r, c); }, m0, n0);
-                   }
-#pragma unroll
-                   for (int hf = 0; hf < 2; ++hf) bgr[hf] = br[hf] * exp_ftz(gr[hf]);
-                 },
-                 acc);
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
       cb_tile_pos<K / 64>(it, m0, n0);
       cb_row_sums(pd, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
-        s += acc[it][nt][e] * cb_pair_at(kp[it], nt, e);
-        dk[it][nt][e] += bgr[e >> 1] * acc[it][nt][e];
+        s += ak[it][nt][e] * cb_pair_at(kp[it], nt, e);
+        dk[it][nt][e] += bgr[e >> 1] * ak[it][nt][e];
       });
     }
   }
