@@ -104,7 +104,7 @@ def chunk_gated_delta_rule(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Arra
                            allow_neg_eigval: bool = False, state_v_first: bool = False,
                            cu_seqlens: jax.Array | None = None, cu_seqlens_cpu=None,
                            chunk_indices=None, cp_context=None, *, backend: str | None = None,
-                           save_mode: str = "light", deterministic: bool = False,
+                           save_mode: str = "full", deterministic: bool = False,
                            **kwargs) -> tuple[jax.Array, jax.Array | None]:
     """FLA's `chunk_gated_delta_rule` (fla/ops/gated_delta_rule/chunk.py) over `gdn`.
 

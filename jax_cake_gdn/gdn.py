@@ -91,7 +91,7 @@ def _rule(d, cu_seqlens, initial_state) -> sharding.Rule:
 def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
         cu_seqlens: jax.Array | None = None, scale: float | None = None, qk_l2norm: bool = False,
         initial_state: jax.Array | None = None, output_final_state: bool = False,
-        save_mode: str = "light", deterministic: bool = False, backend: str | None = None,
+        save_mode: str = "full", deterministic: bool = False, backend: str | None = None,
         use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
         dt_bias: jax.Array | None = None, use_beta_sigmoid_in_kernel: bool = False,
         allow_neg_eigval: bool = False,
@@ -123,14 +123,15 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
         cu_seqlens, [N, HV, K, V] with [N + 1] bounds, [B, N, HV, K, V] with per-row bounds.
       output_final_state: also return the exit state per document, float32, initial_state's
         shape.
-      save_mode: "light" keeps inputs, every segment's entry state, gate cumsum, A (and rstd) and
-        replays w, u and the state walk in the backward; "full" also keeps w, the h tape and
-        v_new (and u on xla; bfloat16 on the cuda backend, float32 on xla; see `saved_layout`).
-        Both run w, u, the walk and the output as one kernel (full's also stores w, h, v_new, bit
-        for bit what light's replay makes), so o and (with deterministic=True) the gradients are
-        bitwise equal between the modes. Full skips the replay: the faster fwd+bwd, for about
-        twice light's residual memory. Under jax.checkpoint full runs its walk twice where light
-        replays once, so light suits checkpointed layers.
+      save_mode: "full" (default) keeps the inputs, every segment's entry state, gate cumsum,
+        A (and rstd) and the walk's tapes w, h and v_new (and u on xla; bfloat16 on the cuda
+        backend, float32 on xla; see `saved_layout`): the faster fwd+bwd. "light" keeps all but
+        the tapes and replays w, u and the state walk in the backward: about half full's
+        residual memory for one more walk. Both run w, u, the walk and the output as one kernel
+        (full's also stores w, h, v_new, bit for bit what light's replay makes), so o and (with
+        deterministic=True) the gradients are bitwise equal between the modes. Under
+        jax.checkpoint both run the walk twice (full recomputes it with its tapes, light
+        replays it), so light, which keeps less, suits checkpointed layers.
       deterministic: True: bitwise-reproducible gradients (every sum in a fixed order): repeated
         runs with the same shapes on the same device give bitwise-equal outputs and gradients,
         and the two save modes bitwise-equal gradients. False (default): on the cuda backend
@@ -186,7 +187,7 @@ def gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
 
 
 def saved_layout(q, k, v, g, beta, *, cu_seqlens=None, scale: float | None = None,
-                 qk_l2norm: bool = False, initial_state=None, save_mode: str = "light",
+                 qk_l2norm: bool = False, initial_state=None, save_mode: str = "full",
                  backend: str | None = None, num_ranks: int | None = None,
                  **kcp_kw) -> dict[str, tuple[tuple[int, ...], np.dtype, int]]:
     """Residuals kept for the backward: {name: (shape, dtype, bytes)}.

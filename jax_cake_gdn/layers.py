@@ -181,7 +181,7 @@ class GatedDeltaNet(nnx.Module):
                  conv_bias: bool = False, qk_l2norm: bool = True, norm_eps: float = 1e-6,
                  allow_neg_eigval: bool = False, dtype=jnp.bfloat16, param_dtype=jnp.float32,
                  backend: str | None = None, axis_name: str | None = None,
-                 layout: str = "contiguous", exchange: str = "a2a", save_mode: str = "light",
+                 layout: str = "contiguous", exchange: str = "a2a", save_mode: str = "full",
                  segments: int | None = None, sharding_rules=None, rngs: nnx.Rngs):
         num_v_heads = num_heads if num_v_heads is None else num_v_heads
         for name, val in (("hidden_size", hidden_size), ("num_heads", num_heads),

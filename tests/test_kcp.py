@@ -153,14 +153,15 @@ def test_lowered_step_has_the_exchange_collective(rng, exchange, collective):
 
     def local(q, k, v, g, beta, cu):
         f = lambda *a: jnp.sum(J.gdn_kcp(*a, cu_seqlens=cu, axis_name=AX, exchange=exchange,
-                                         qk_l2norm=True, backend=backend).astype(jnp.float32))
+                                         qk_l2norm=True, backend=backend,
+                                         save_mode="light").astype(jnp.float32))
         return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
 
     step = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(None, AX),) * 5 + (P(),),
                                  out_specs=(P(None, AX),) * 5))
     hlo = step.trace(*sds, cu).lower(lowering_platforms=("cuda",)).as_text()
     assert f"stablehlo.{collective}" in hlo
-    if backend == "cuda":  # the kernels of the forward, the replay and the backward (grad only:
+    if backend == "cuda":  # light's kernels of the forward, the replay and the backward (grad only:
         # the light forward's walk_output is dead code here, o itself is not needed), the units'
         # summaries and their backward twin; never the old transfer walks through prep and
         # state_walk

@@ -99,7 +99,7 @@ class KcpMerge(NamedTuple):
 
 def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
             cu_seqlens: jax.Array, axis_name: str, layout: str = "contiguous",
-            exchange: str = "a2a", save_mode: str = "light", segments: int | None = None,
+            exchange: str = "a2a", save_mode: str = "full", segments: int | None = None,
             num_docs: int | None = None, scale: float | None = None, qk_l2norm: bool = False,
             deterministic: bool = False, backend: str | None = None,
             use_gate_in_kernel: bool = False, A_log: jax.Array | None = None,
@@ -120,7 +120,8 @@ def gdn_kcp(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Ar
 
     layout: "contiguous" | "zigzag" | "doc_zigzag" (every document a multiple of 2W tokens).
     exchange: "a2a" (all_to_all to a chain owner and back) | "ring" (ppermute chain).
-    save_mode: "light" | "full" as in `gdn` (bitwise-equal gradients with deterministic=True).
+    save_mode: "full" (default) | "light" as in `gdn` (bitwise-equal gradients with
+      deterministic=True).
       Both keep every segment's entry state and the units' transfer matrices (`gdn_M`, read by
       the backward's transposed merge).
     segments: P, the units per piece (default: `plan_kcp`, from document fragments x value

@@ -32,7 +32,7 @@ def _name(desc: str) -> str:
 
 
 def saved_layout_kcp(q, k, v, g, beta, *, cu_seqlens, num_ranks: int, layout="contiguous",
-                     exchange="a2a", save_mode="light", segments=None, num_docs=None,
+                     exchange="a2a", save_mode="full", segments=None, num_docs=None,
                      scale=None, qk_l2norm=False, backend=None, A_log=None, dt_bias=None,
                      **kw):
     """Per-rank residuals of gdn_kcp: {name: (shape, dtype, bytes)}; q..beta are global shapes.
