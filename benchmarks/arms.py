@@ -172,7 +172,8 @@ def jax_arm(backend: str, opts: List[str], *, baseline: bool = False) -> Arm:
     """`xla` / `cuda` (this library) or, with baseline=True, `base`: the cuda backend of the
     baseline copy that `python -m benchmarks.baseline REV --dest DIR` made ($JCG_BASELINE=DIR).
 
-    Options: light (default) | full (save_mode), det (deterministic=True), P<n> (segments=n)."""
+    Options: light (default here; gdn's own default is full) | full (save_mode), det
+    (deterministic=True), P<n> (segments=n)."""
     save_mode, det, segments = "light", False, None
     label = "base" if baseline else backend
     for o in opts:
