@@ -40,10 +40,11 @@
 // Where a stage's result is 64 x 128, each warpgroup's two blocks thus go out as one m64n64 chain
 // (half the A-operand reads from shared memory of two m64n32 chains), and a stage's chains go out
 // as one batch before one wait (cb_batch). Products that do not read each other's results share
-// a batch: dQ's and dK's two halves (stages 2 and 3), and dbV with dbK (stage 5). Whatever a stage's epilogue needs besides the products
-// (G, beta and their exponentials, the bf16 Q / K / V elements as 4-byte pairs, sum(dS o h), the
-// final per-row reductions) is loaded and computed between the commit and the wait (cb_batch_pre),
-// while the chains run: the same operations on the same values, so every output keeps its bits.
+// a batch: dQ's and dK's two halves (stages 2 and 3), and dbV with dbK (stage 5). Whatever a
+// stage's epilogue needs besides the products (G, beta and their exponentials, the bf16 Q / K / V
+// elements as 4-byte pairs, sum(dS o h), the final per-row reductions) is loaded and computed
+// between the commit and the wait (cb_batch_pre), while the chains run: the same operations on
+// the same values, so every output keeps its bits.
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128),
 // and so does M (stage 1's 64 x 64 block layout, stage 7 adds to it; its row and column sums
 // leave through small partial arrays); dQ, dV are written as soon as they are final. Shared
