@@ -328,17 +328,23 @@ __device__ __forceinline__ void cb_st2(bf16* p, float a, float b) {
   *reinterpret_cast<uint32_t*>(p) = pack_bf16(a, b);
 }
 
-// This thread's bf16 elements of a 64 x 32 block of a slab tile t (element (r, c) at t(r, c)), in
-// the accumulator layout: p[nt][hf] holds elements (nt, 2 hf) and (nt, 2 hf + 1), adjacent columns
-// of one 16-byte chunk, as one 4-byte load (conflict free: the 8 rows of a warp's load sit in 8
-// different chunks of their 128-byte rows, by the swizzle).
-template <typename At>
-__device__ __forceinline__ void cb_ld_pairs(uint32_t (&p)[4][2], At t, int m0, int n0) {
+// This thread's bf16 elements of its NB blocks (cb_tile_pos) of a 64 x (64 NB) slab tile t, in
+// the accumulator layout: p[i][nt][hf] holds elements (nt, 2 hf) and (nt, 2 hf + 1) of block i,
+// adjacent columns of one 16-byte chunk, as one 4-byte load (conflict free: the 8 rows of a warp's
+// load sit in 8 different chunks of their 128-byte rows, by the swizzle).
+template <int NB>
+__device__ __forceinline__ void cb_ld_pairs(uint32_t (&p)[NB][4][2], unsigned char* t) {
 #pragma unroll
-  for (int nt = 0; nt < 4; ++nt)
+  for (int i = 0; i < NB; ++i) {
+    int m0, n0;
+    cb_tile_pos<NB>(i, m0, n0);
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-      p[nt][hf] = *reinterpret_cast<const uint32_t*>(t(cb_row(m0, 2 * hf), cb_col(n0, nt, 0)));
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        p[i][nt][hf] = *reinterpret_cast<const uint32_t*>(
+            slab_at<kChunk>(t)(cb_row(m0, 2 * hf), cb_col(n0, nt, 0)));
+  }
 }
 
 // x[] (a per-row array in shared memory) at this thread's accumulator rows of a stage (rows
@@ -571,13 +577,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
           cb_mma<V, false, true, K>(dk, VNs, DSs, n0);
         },
         [&] {
-          int m0, n0;
-#pragma unroll
-          for (int it = 0; it < K / 64; ++it) {
-            cb_tile_pos<K / 64>(it, m0, n0);
-            cb_ld_pairs(qp[it], [&](int r, int c) { return at64(Qs, r, c); }, m0, n0);
-            cb_ld_pairs(kp[it], [&](int r, int c) { return at64(Ks, r, c); }, m0, n0);
-          }
+          cb_ld_pairs(qp, Qs);
+          cb_ld_pairs(kp, Ks);
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) {
             egr[hf] = exp_ftz(gr[hf]);
@@ -715,17 +716,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
           cb_mma<kChunk, true, false>(ak, As, Dw, cb_n0<K / 64>());
         },
         [&] {
-          int m0, n0;
-#pragma unroll
-          for (int it = 0; it < V / 64; ++it) {
-            cb_tile_pos<V / 64>(it, m0, n0);
-            cb_ld_pairs(vp[it], [&](int r, int c) { return at64(Vs, r, c); }, m0, n0);
-          }
-#pragma unroll
-          for (int it = 0; it < K / 64; ++it) {
-            cb_tile_pos<K / 64>(it, m0, n0);
-            cb_ld_pairs(kp[it], [&](int r, int c) { return at64(Ks, r, c); }, m0, n0);
-          }
+          cb_ld_pairs(vp, Vs);
+          cb_ld_pairs(kp, Ks);
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf) bgr[hf] = br[hf] * exp_ftz(gr[hf]);
         },
