@@ -32,12 +32,14 @@ ffi::Error transfer(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32
         a.transfer_seg = transfer_seg.typed_data();
         a.U = static_cast<int>(U);
         a.S = static_cast<int>(segs.count());
-        JCG_RETURN_IF_ERROR((walk_maps<WalkMode::kTransfer, KD, VD>(a)));
+        a.VG = VD;  // one CTA a head
+        JCG_RETURN_IF_ERROR((walk_maps<WalkMode::kTransfer, KD>(a)));
         if constexpr (KD == VD) {  // B and M in one launch: kind-major slots
           return launch_walk<WalkMode::kTransfer, In, float, KD, VD>(a, 2 * U, stream);
         } else {  // the state widths differ: B at V columns, then M at K
           JCG_RETURN_IF_ERROR((launch_walk<WalkMode::kTransfer, In, float, KD, VD>(a, U, stream)));
           a.kind0 = 1;
+          a.VG = KD;
           return launch_walk<WalkMode::kTransfer, In, float, KD, KD>(a, U, stream);
         }
       },

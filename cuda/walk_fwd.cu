@@ -33,7 +33,10 @@
 // f32[T, HV]; rstd_q f32[T, H] or f32[1]; the rest as state_walk. bf16 q, k, v and A reach the
 // kernel by TMA: the handler encodes their tensor maps (tma.cuh). Launch (all three): one CTA of
 // V / 64 compute warpgroups and a producer warpgroup per (segment, value head), grid S x HV
-// (segment-major, the segments in seg_order: chunks.py sorts them longest first).
+// (segment-major, the segments in seg_order: chunks.py sorts them longest first). walk_output
+// and replay with few chains (walk_column_tiles) split V = 128 into two CTAs of 64 columns a
+// head, grid S x HV x 2: the recurrence is column-wise in V, each CTA makes the head's w itself
+// (tile 0 stores it), and every output keeps its bits.
 #include "solve_a_launch.cuh"
 #include "walk_fwd_launch.cuh"
 
@@ -82,7 +85,7 @@ ffi::Error launch_walk_output(cudaStream_t stream, const ffi::AnyBuffer& q,
                               ffi::AnyBuffer o, F32 final_state, bf16* const (&tape)[3],
                               const int32_t* a_ready) {
   return dispatch(
-      [&](auto in, auto out, auto kd, auto vd) {  // one CTA covers all V columns
+      [&](auto in, auto out, auto kd, auto vd) {
         using In = typename decltype(in)::type;
         using Out = typename decltype(out)::type;
         constexpr int KD = decltype(kd)::value, VD = decltype(vd)::value;
@@ -97,11 +100,13 @@ ffi::Error launch_walk_output(cudaStream_t stream, const ffi::AnyBuffer& q,
         a.scale = scale;
         a.a_ready = a_ready;
         const bool behind = a_ready != nullptr;
-        if (tape[0] == nullptr) return run_walk<WalkMode::kOut, KD, VD>(a, segs, stream, behind);
+        const int tiles = walk_column_tiles(segs.count() * a.HV, VD);
+        if (tape[0] == nullptr)
+          return run_walk_tiled<WalkMode::kOut, KD, VD>(a, segs, stream, tiles, behind);
         a.h = tape[0];
         a.v_new = tape[1];
         a.w_out = tape[2];
-        return run_walk<WalkMode::kOutTapes, KD, VD>(a, segs, stream, behind);
+        return run_walk_tiled<WalkMode::kOutTapes, KD, VD>(a, segs, stream, tiles, behind);
       },
       FloatType{q.element_type()}, FloatType{o.element_type()}, HeadDim{q.dimensions()[2]},
       HeadDim{v.dimensions()[2]});
@@ -119,10 +124,10 @@ ffi::Error walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                             seg_order, *scale, *o, *final_state, tape, nullptr);
 }
 
-// solve_a, then walk_output (with or without tapes) on its A. bf16 inputs whose walk CTAs (one a
-// segment and value head, a whole SM each) fill at most half the SMs: solve_a first on the other
-// SMs (launch_solve_a with a_ready) and the walk behind it, each chunk's A handed over by a flag
-// (handoff.cuh); otherwise one after the other.
+// solve_a, then walk_output (with or without tapes) on its A. bf16 inputs whose chains (segments
+// x value heads) are at most half the SMs: solve_a first on the SMs the walk's CTAs (a whole SM
+// each, column tiles included) leave (launch_solve_a with a_ready) and the walk behind it, each
+// chunk's A handed over by a flag (handoff.cuh); otherwise one after the other.
 ffi::Error solve_a_walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                ffi::AnyBuffer v, F32 beta, F32 G, F32 h0, F32 rstd_q,
                                F32 rstd_k, ChunkTable chunks, SegmentTable segs, S32 seg_order,
@@ -132,9 +137,10 @@ ffi::Error solve_a_walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   bf16* tape[3] = {nullptr, nullptr, nullptr};
   JCG_RETURN_IF_ERROR(walk_tapes(stream, tapes, tape));
   JCG_CHECK_CUDA(poison_all(stream, *o, *final_state, *A));
-  const int64_t walk_ctas = segs.count() * beta.dimensions()[1];
+  const int64_t chains = segs.count() * beta.dimensions()[1];
+  const int64_t walk_ctas = chains * walk_column_tiles(chains, v.dimensions()[2]);
   const bool behind = pdl_enabled() && q.element_type() == ffi::DataType::BF16 &&
-                      chunks.count() > 0 && walk_ctas > 0 && 2 * walk_ctas <= sm_count();
+                      chunks.count() > 0 && chains > 0 && 2 * chains <= sm_count();
   int32_t* flags = nullptr;
   if (behind) {
     flags = a_ready->typed_data();
@@ -152,7 +158,7 @@ ffi::Error replay(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 b
                   Ret<BF16> h, Ret<BF16> v_new, Ret<BF16> w, Ret<F32> final_state) {
   JCG_CHECK_CUDA(poison_all(stream, *h, *v_new, *w, *final_state));
   return dispatch(
-      [&](auto in, auto kd, auto vd) {  // one CTA covers all V columns
+      [&](auto in, auto kd, auto vd) {  // column tiles as walk_output's
         using In = typename decltype(in)::type;
         auto a = walk_args<In, bf16>(k, G, h0, rstd_k, chunks, segs, seg_order.typed_data(),
                                      final_state->typed_data());
@@ -162,8 +168,9 @@ ffi::Error replay(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 b
         a.h = static_cast<bf16*>(h->untyped_data());
         a.v_new = static_cast<bf16*>(v_new->untyped_data());
         a.w_out = static_cast<bf16*>(w->untyped_data());
-        return run_walk<WalkMode::kReplay, decltype(kd)::value, decltype(vd)::value>(a, segs,
-                                                                                  stream);
+        constexpr int VD = decltype(vd)::value;
+        return run_walk_tiled<WalkMode::kReplay, decltype(kd)::value, VD>(
+            a, segs, stream, walk_column_tiles(segs.count() * a.HV, VD));
       },
       FloatType{k.element_type()}, HeadDim{k.dimensions()[2]}, HeadDim{v.dimensions()[2]});
 }

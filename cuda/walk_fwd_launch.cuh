@@ -2,6 +2,9 @@
 // WalkFwdArgs, tensor maps and launch.
 #pragma once
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -51,9 +54,9 @@ inline std::string token_map(CUtensorMap* m, const void* base, int64_t T, int64_
 // as the mode reads them) and the compute warps' TMA stores (o when bf16, the tapes), these only
 // when there is a chunk to store. A bf16[NC, HV, 64, 64] is mapped as [NC * HV * 64, 64]: one
 // 64 x 64 box a (chunk, head).
-template <WalkMode M, int K, int V, typename In, typename Out>
+template <WalkMode M, int K, typename In, typename Out>
 inline ffi::Error walk_maps(WalkFwdArgs<In, Out>& a) {
-  const int64_t T = a.num_tokens, H = a.H, HV = a.HV, NC = a.NC;
+  const int64_t T = a.num_tokens, H = a.H, HV = a.HV, NC = a.NC, V = a.VG;
   if constexpr (std::is_same_v<In, bf16>) {
     if constexpr (walk_outputs_o(M)) JCG_CHECK_MAP(token_map(&a.tm_q, a.q, T, H, K), "q");
     JCG_CHECK_MAP(token_map(&a.tm_k, a.k, T, H, K), "k");
@@ -78,24 +81,55 @@ inline ffi::Error walk_maps(WalkFwdArgs<In, Out>& a) {
   return ffi::Error::Success();
 }
 
-// One CTA of V / 64 compute warpgroups and a producer warpgroup per (slot, value head): the
-// slots are the segments in seg_order (kTransfer: the (kind, unit) pairs of the launch).
+// One CTA of V / 64 compute warpgroups and a producer warpgroup per (slot, value head, column
+// tile): the slots are the segments in seg_order (kTransfer: the (kind, unit) pairs of the
+// launch), the tiles a.VG / V (set by the caller; 0: V, one tile).
 // behind: with programmatic dependent launch (behind solve_a, WalkFwdArgs::a_ready).
 template <WalkMode M, typename In, typename Out, int K, int V>
-inline ffi::Error launch_walk(const WalkFwdArgs<In, Out>& a, int64_t slots, cudaStream_t stream,
+inline ffi::Error launch_walk(WalkFwdArgs<In, Out> a, int64_t slots, cudaStream_t stream,
                               bool behind = false) {
-  const dim3 grid(static_cast<unsigned>(slots * a.HV));
+  if (a.VG == 0) a.VG = V;
+  const dim3 grid(static_cast<unsigned>(slots * a.HV * (a.VG / V)));
+  // behind solve_a, each CTA asks for an SM's whole shared memory, so that none of solve_a's
+  // CTAs shares its SM (they would slow the chain)
+  const size_t smem = behind ? std::max(WalkFwdWgSmem<M, K, V>::bytes, kMaxSmemPerCta)
+                             : WalkFwdWgSmem<M, K, V>::bytes;
   return cuda_status(launch(behind, walk_fwd_wg_kernel<M, In, Out, K, V>, grid,
-                            walk_fwd_wg_threads<V>(), WalkFwdWgSmem<M, K, V>::bytes, stream, a),
+                            walk_fwd_wg_threads<V>(), smem, stream, a),
                      "walk_fwd_wg_kernel");
 }
 
-// walk_maps, then launch_walk over the segments.
+// walk_maps, then launch_walk over the segments, in `tiles` CTAs a head of V columns each (v
+// has V * tiles).
 template <WalkMode M, int K, int V, typename In, typename Out>
 inline ffi::Error run_walk(WalkFwdArgs<In, Out>& a, const SegmentTable& segs,
-                           cudaStream_t stream, bool behind = false) {
-  JCG_RETURN_IF_ERROR((walk_maps<M, K, V>(a)));
+                           cudaStream_t stream, bool behind = false, int tiles = 1) {
+  a.VG = V * tiles;
+  JCG_RETURN_IF_ERROR((walk_maps<M, K>(a)));
   return launch_walk<M, In, Out, K, V>(a, segs.count(), stream, behind);
+}
+
+// Column tiles of a walk_output or replay launch of walk_ctas CTAs (a segment and value head
+// each) at V columns: 2 (two CTAs of 64 columns a head, the V = 64 kernel) at V = 128 when those
+// CTAs would hold at most 3/8 of the SMs (few chains: one long document, small heads), where the
+// one-warpgroup walk's shorter step pays for w being made twice a head; else, or with
+// JAX_CAKE_GDN_WALK_TILES=1, one.
+inline int walk_column_tiles(int64_t walk_ctas, int64_t V) {
+  static const bool one = [] {
+    const char* v = std::getenv("JAX_CAKE_GDN_WALK_TILES");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return !one && V == 128 && walk_ctas > 0 && 8 * walk_ctas <= 3 * int64_t{sm_count()} ? 2 : 1;
+}
+
+// run_walk in `tiles` column tiles of V / tiles (walk_column_tiles).
+template <WalkMode M, int K, int V, typename In, typename Out>
+inline ffi::Error run_walk_tiled(WalkFwdArgs<In, Out>& a, const SegmentTable& segs,
+                                 cudaStream_t stream, int tiles, bool behind = false) {
+  if constexpr (V == 128) {
+    if (tiles == 2) return run_walk<M, K, 64>(a, segs, stream, behind, 2);
+  }
+  return run_walk<M, K, V>(a, segs, stream, behind);
 }
 
 }  // namespace jax_cake_gdn

@@ -21,9 +21,10 @@
 // (r = rstd of k, rq = rstd of q, 1 without L2 norm; d = 0 beyond the chunk). q and k enter the
 // products as they are (bf16 q, k land by cp.async straight into their swizzled slabs, f32 q, k
 // are rounded on the way) and every per-token factor is applied to an accumulator or to v_new.
-// One CTA of V / 64 compute warpgroups plus a producer warpgroup per (segment, value head), grid
-// S x HV (segment-major, the segments in seg_order: longest first, so that the last wave holds
-// the short ones). Compute warpgroup wg owns the value columns 64 wg..64 wg + 63.
+// One CTA of V / 64 compute warpgroups plus a producer warpgroup per (segment, value head, column
+// tile), grid S x HV x VG / V (segment-major, the segments in seg_order: longest first, so that
+// the last wave holds the short ones). Compute warpgroup wg owns the value columns v0 + 64 wg..
+// v0 + 64 wg + 63 of the VG in memory (one tile: v0 = 0, VG = V).
 // Tapes: its K x 64 f32 state in K / 64 wgmma accumulators of 64 x 64 (rows: key, columns:
 // value; wg_acc.cuh) and its slabs Sb, Vd. Per chunk:
 //   top: Sb = bf16(S); the product-1 accumulator = u; warpgroup barrier
@@ -132,6 +133,9 @@ struct WalkFwdArgs {
   const int32_t* a_ready;
   int64_t num_tokens;
   int H, HV, NC;
+  // v's (and u's, o's, v_new's, the states' and h's) columns in memory: V (one CTA a head, the
+  // default) or 2 V (launch_walk's column tiles: two CTAs a head, each V columns of them)
+  int VG;
   int U, S, kind0;  // kTransfer: units, segments, the first kind of this launch
   float scale;
 };
@@ -248,17 +252,19 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   const int H = a.H, HV = a.HV, NC = a.NC;
   // segments x heads, the segments in seg_order (longest first); an entry out of range walks
   // nothing. kTransfer: (kind, unit) x heads, kind-major, the segment from transfer_seg.
-  const int slot = blockIdx.x / HV;
+  // Column tiles: VG / V adjacent CTAs a head, tile v0 / V taking the columns v0.. of VG.
+  const int VG = a.VG, tiles = VG / V, rest = static_cast<int>(blockIdx.x) / tiles;
+  const int slot = rest / HV, v0 = static_cast<int>(blockIdx.x) % tiles * V;
   const int unit = kTransfer ? slot % a.U : 0, kind = kTransfer ? a.kind0 + slot / a.U : 0;
-  const int hv = blockIdx.x % HV;
+  const int hv = rest % HV;
   const int s = kTransfer ? a.transfer_seg[kind * a.U + unit] : a.seg_order[slot];
   const bool with_v = !kTransfer || kind == 0;  // M: u = 0, no v
   const int hk = hv / (HV / H);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp in it
   const bool producer = threadIdx.x >= kCompute;
-  const int64_t state_stride = int64_t{K} * V;
-  const bool s_ok = s >= 0 && s < (kTransfer ? a.S : static_cast<int>(gridDim.x) / HV);
+  const int64_t state_stride = int64_t{K} * VG;
+  const bool s_ok = s >= 0 && s < (kTransfer ? a.S : static_cast<int>(gridDim.x) / (HV * tiles));
   const int c_first = s_ok ? a.seg_first[s] : 0, c_last = s_ok ? a.seg_last[s] : -1;
   const bool empty = !s_ok || a.seg_len[s] <= 0 || c_first < 0 || c_last >= NC ||
                      c_last < c_first;
@@ -274,20 +280,21 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   // The compute warps' tape stores. h[c] (this warpgroup's columns) from a K x 64 slab with
   // 16-byte stores, after a barrier that follows the slab's writes:
   [[maybe_unused]] auto copy_slab_to_h = [&](const unsigned char* slab, int c) {
-    wg_copy_sb<K>(slab, a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride + 64 * wg, V,
-                  threadIdx.x % 128);
+    wg_copy_sb<K>(slab, a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0 + 64 * wg,
+                  VG, threadIdx.x % 128);
   };
   // segment 0 of a table with no used chunk: every h zero (warp w zeroes columns 16 w..)
   [[maybe_unused]] auto zero_h_if_no_chunk = [&]() {
     if (s == 0 && NC > 0 && a.clen[0] <= 0) {
       for (int c = 0; c < NC; ++c)
-        state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride, V);
+        state_zero_bf16<K>(a.h + (static_cast<int64_t>(c) * HV + hv) * state_stride + v0, VG);
     }
   };
-  // w's token rows of a chunk from the producer's slabs Ws (kReplay, kOutTapes): one TMA store a
-  // 64-column slab for a whole chunk; rows past len are the next document's, so a partial one
-  // goes by 16-byte stores of its rows < len
+  // w's token rows of a chunk from the producer's slabs Ws (kReplay, kOutTapes; column tile 0
+  // only, every tile makes the same w): one TMA store a 64-column slab for a whole chunk; rows
+  // past len are the next document's, so a partial one goes by 16-byte stores of its rows < len
   [[maybe_unused]] auto store_w_rows = [&](const unsigned char* Ws, const ChunkSpan& cs) {
+    if (v0 != 0) return;
     if (cs.len == kChunk) {
       if (threadIdx.x == 0) {
 #pragma unroll
@@ -340,7 +347,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         if (with_v) {
 #pragma unroll
           for (int j = 0; j < V / 64; ++j)
-            f(u_slabs(b) + j * Sm::kSlab, &a.tm_v, 64 * j, hv, t0);
+            f(u_slabs(b) + j * Sm::kSlab, &a.tm_v, v0 + 64 * j, hv, t0);
         }
       }
 #pragma unroll
@@ -351,7 +358,8 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
       }
       if constexpr (!kFromA) {
 #pragma unroll
-        for (int j = 0; j < V / 64; ++j) f(u_slabs(b) + j * Sm::kSlab, &a.tm_u, 64 * j, hv, t0);
+        for (int j = 0; j < V / 64; ++j)
+          f(u_slabs(b) + j * Sm::kSlab, &a.tm_u, v0 + 64 * j, hv, t0);
       }
     };
     // One thread: chunk c's boxes into buffer b, completing on its mbarrier.
@@ -497,8 +505,8 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           cp_async_commit();
           if (with_v)
             load_tile_bf16_at<kChunk, V, 2, kLoaders>(slab_at<kChunk>(u_slabs(b)),
-                                                      a.v + (cs.start * HV + hv) * V,
-                                                      int64_t{HV} * V, max(cs.len, 1),
+                                                      a.v + (cs.start * HV + hv) * VG + v0,
+                                                      int64_t{HV} * VG, max(cs.len, 1),
                                                       ScaleOne{});
           if constexpr (kOut) copy_qk(a.q, q_slabs(b), cs.start, cs.len);
           copy_qk(a.k, k_slabs(b), cs.start, cs.len);
@@ -549,8 +557,8 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
               slab_at<kChunk>(w_slabs(b)), a.w + (cs.start * HV + hv) * K, int64_t{HV} * K,
               cs.len);
           cp_async_tile_at<kChunk, V, kLoaders, kCopyUnroll>(
-              slab_at<kChunk>(u_slabs(b)), a.u + (cs.start * HV + hv) * V, int64_t{HV} * V,
-              cs.len);
+              slab_at<kChunk>(u_slabs(b)), a.u + (cs.start * HV + hv) * VG + v0,
+              int64_t{HV} * VG, cs.len);
           cp_async_commit();
           cp_async_wait_all();
         }
@@ -577,15 +585,15 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   if constexpr (kTransfer) {
     // the unit's B (kind 0) or M (kind 1), this warpgroup's 64 columns
     float* out = (kind == 0 ? a.final_state : a.m_out) +
-                 (static_cast<int64_t>(unit) * HV + hv) * state_stride + 64 * wg;
+                 (static_cast<int64_t>(unit) * HV + hv) * state_stride + v0 + 64 * wg;
     float ST[K / 2];
     if (!s_ok) {  // nothing to summarise: zeros
 #pragma unroll
       for (int i = 0; i < K / 2; ++i) ST[i] = 0.f;
     } else if (kind == 0) {
       wg_state_rw_t<K>(ST, const_cast<float*>(a.h0) +
-                               (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg,
-                       V, false, wq);
+                               (static_cast<int64_t>(s) * HV + hv) * state_stride + v0 + 64 * wg,
+                       VG, false, wq);
     } else {  // the identity: ST[4 j + e] is state[8 j + 2 q + e % 2][64 wg + 16 wq + g + ..]
 #pragma unroll
       for (int i = 0; i < K / 2; ++i) {
@@ -639,27 +647,27 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         wgmma_fence_operand(ST);
       }
     }
-    wg_state_rw_t<K>(ST, out, V, true, wq);
+    wg_state_rw_t<K>(ST, out, VG, true, wq);
     return;
   }
   if (!s_ok) return;  // a malformed seg_order entry: no segment to read or write
 
-  const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + 64 * wg;
+  const int64_t state0 = (static_cast<int64_t>(s) * HV + hv) * state_stride + v0 + 64 * wg;
   float* fin = a.final_state + state0;
   if constexpr (kOut) {
     // The state transposed, S^T: this warpgroup's 64 value rows x K keys in one accumulator,
     // fed to products 1, Q S and the update from registers; v_new^T likewise to Att Vn and the
     // update. The chain never goes through shared memory.
     float ST[K / 2];
-    wg_state_rw_t<K>(ST, const_cast<float*>(a.h0) + state0, V, false, wq);
+    wg_state_rw_t<K>(ST, const_cast<float*>(a.h0) + state0, VG, false, wq);
     const int t128 = threadIdx.x % 128;
     // kOutTapes: h and v_new on their way out (this warpgroup's 64 value columns)
     [[maybe_unused]] unsigned char* Ht = smem + Sm::oHt + wg * size_t{K} * 128;
     [[maybe_unused]] unsigned char* Vt = smem + Sm::oVt + wg * Sm::kSlab;
     if (!empty) {
       unsigned char* Ot = smem + Sm::oVd + wg * Sm::kSlab;  // o back to token rows
-      Out* o_cols = a.o + int64_t{hv} * V + 64 * wg;
-      [[maybe_unused]] bf16* vn_cols = a.v_new + int64_t{hv} * V + 64 * wg;
+      Out* o_cols = a.o + int64_t{hv} * VG + v0 + 64 * wg;
+      [[maybe_unused]] bf16* vn_cols = a.v_new + int64_t{hv} * VG + v0 + 64 * wg;
       ChunkSpan next = span(c_first);
       for (int c = c_first, b = 0; c <= c_last; ++c, b ^= 1) {
         const ChunkSpan cs = next;
@@ -714,7 +722,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           wg_stsm_t<K>(ST, Ht, wq);
           fence_proxy_async();
           warpgroup_sync(wg);
-          if (t128 == 0) tma_store_2d(&a.tm_h, Ht, 64 * wg, (c * HV + hv) * K);
+          if (t128 == 0) tma_store_2d(&a.tm_h, Ht, v0 + 64 * wg, (c * HV + hv) * K);
           store_w_rows(w_slabs(b), cs);
         }
         wgmma_wait<1>();  // product 1 and Q K^T; Q S still runs
@@ -763,11 +771,11 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
           }
           fence_proxy_async();
           warpgroup_sync(wg);
-          const int64_t ld = int64_t{HV} * V;
+          const int64_t ld = int64_t{HV} * VG;
           if (len == kChunk) {
             if (t128 == 0) {
-              if constexpr (kOt) tma_store_3d(&a.tm_o, Ot, 64 * wg, hv, cs.start);
-              if constexpr (kOutTapes) tma_store_3d(&a.tm_vnew, Vt, 64 * wg, hv, cs.start);
+              if constexpr (kOt) tma_store_3d(&a.tm_o, Ot, v0 + 64 * wg, hv, cs.start);
+              if constexpr (kOutTapes) tma_store_3d(&a.tm_vnew, Vt, v0 + 64 * wg, hv, cs.start);
             }
           } else {  // rows past len are the next document's: 16-byte stores of rows < len
             if constexpr (kOt) wg_copy_slab<kChunk>(Ot, o_cols + cs.start * ld, ld, len, t128);
@@ -777,7 +785,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         }
         if constexpr (!kOt) {  // f32 o: 4-byte stores, element (v, t) of o^T to token row t
           wg_scale_cols<64>(oacc, rO);
-          const int64_t ld = int64_t{HV} * V;
+          const int64_t ld = int64_t{HV} * VG;
           Out* ob = o_cols + cs.start * ld + 16 * wq + g;
 #pragma unroll
           for (int j = 0; j < 8; ++j)
@@ -789,7 +797,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
         }
       }
     }
-    wg_state_rw_t<K>(ST, fin, V, true, wq);
+    wg_state_rw_t<K>(ST, fin, VG, true, wq);
     if constexpr (kOutTapes) {  // the unused chunks' h, as kReplay fills them
       if (empty) {
         zero_h_if_no_chunk();
@@ -808,9 +816,9 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   unsigned char* Sb = smem + Sm::oSb + wg * size_t{K} * 128;
   unsigned char* Vd = smem + Sm::oVd + wg * Sm::kSlab;
   float S[K / 64][32];
-  wg_state_rw<K>(S, const_cast<float*>(a.h0) + state0, V, false, wq);
+  wg_state_rw<K>(S, const_cast<float*>(a.h0) + state0, VG, false, wq);
   if (empty) {
-    wg_state_rw<K>(S, fin, V, true, wq);
+    wg_state_rw<K>(S, fin, VG, true, wq);
     zero_h_if_no_chunk();
     return;
   }
@@ -862,7 +870,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     if constexpr (!kReplay) {
       copy_slab_to_h(Sb, c);
     } else {
-      if (threadIdx.x % 128 == 0) tma_store_2d(&a.tm_h, Sb, 64 * wg, (c * HV + hv) * K);
+      if (threadIdx.x % 128 == 0) tma_store_2d(&a.tm_h, Sb, v0 + 64 * wg, (c * HV + hv) * K);
       store_w_rows(Ws, cs);
     }
     wgmma_wait<0>();
@@ -877,7 +885,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     for (int half = 0; half < 2; ++half) {
       const int t = half ? i1 : i0;
       if (t < len) {
-        bf16* vp = a.v_new + ((cs.start + t) * HV + hv) * V + 64 * wg + 2 * q;
+        bf16* vp = a.v_new + ((cs.start + t) * HV + hv) * VG + v0 + 64 * wg + 2 * q;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
           store2(vp + 8 * j, acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
@@ -897,7 +905,7 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
     for (int kb = 0; kb < K / 64; ++kb) wgmma_fence_operand(S[kb]);
   }
 
-  wg_state_rw<K>(S, fin, V, true, wq);
+  wg_state_rw<K>(S, fin, VG, true, wq);
   if (threadIdx.x % 128 == 0) tma_store_wait();
   // The last used chunk's segment also fills the unused chunks' h with its exit state.
   if (c_last + 1 < NC && a.clen[c_last + 1] <= 0) {

@@ -436,7 +436,11 @@ def test_wrappers_check_the_limits_the_handlers_rely_on():
 # GPU host
 # ------------------------------------------------------------------------------------------------
 
-# (name, H, HV, K, V, dtype, qk_l2norm, initial_state, document lengths)
+# (name, H, HV, K, V, dtype, qk_l2norm, initial_state, document lengths). DOC_LENS has 7
+# segments, LONG_DOC_LENS 5: at HV = 48 the forward walk runs one CTA a head, at HV = 6 with
+# V = 128 (42 and 30 chains, at most 3/8 of 132 SMs) two CTAs of 64 columns a head
+# (walk_column_tiles), and test_gpu_primitives_match_xla holds both bit for bit to the state walk,
+# which never splits.
 CONFIGS = [
     ("gva16x48-bf16-l2-h0", 16, 48, 128, 128, jnp.bfloat16, True, True, DOC_LENS),
     ("gva16x48-bf16-l2-h0-long", 16, 48, 128, 128, jnp.bfloat16, True, True, LONG_DOC_LENS),

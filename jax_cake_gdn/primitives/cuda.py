@@ -481,7 +481,7 @@ def replay(k, v, beta, G, A, h0, rstd_k, ct):
     bf16[NC, HV, 64, 64] as `solve_a` / `prep` return it; h0, rstd_k and the table as
     `state_walk`. Returns w bf16[T, HV, K], None (u stays on chip: chunk_bwd does not read it),
     h bf16[NC, HV, K, V] and v_new bf16[T, HV, V], as xla.replay; the kernel's exit states are
-    not returned (walk_output's are the same).
+    not returned (walk_output's are the same). Few chains: two CTAs a head, as `walk_output`.
     """
     fn = "replay"
     k = _qkv(fn, "k", k)
@@ -505,7 +505,10 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale: float, ou
     rstd factors go on accumulators and v_new). Returns o [T, HV, V] in out_dtype and the exit
     state of each segment f32[S, HV, K, V]; with `tapes` also w bf16[T, HV, K], None (u),
     h bf16[NC, HV, K, V] and v_new bf16[T, HV, V], as xla.walk_output: bit for bit `replay`'s
-    (o and the exit states bit for bit those without).
+    (o and the exit states bit for bit those without). With few chains (segments x value heads
+    at most 3/8 of the SMs) and V = 128 the kernel runs as two CTAs of 64 value columns a head
+    (the recurrence is column-wise in V; each makes w itself), every result bit for bit the same
+    (JAX_CAKE_GDN_WALK_TILES=1: one CTA a head).
     """
     fn = "walk_output"
     q, k = _qk(fn, q, k)
