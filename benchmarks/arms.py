@@ -21,13 +21,14 @@ torch arms from `torch.cuda.max_memory_allocated()` over one call, less what was
 before the arm's setup (so its own inputs count, other arms' tensors do not).
 
 Specs on the command line are `name[:opt[:opt...]]`: `xla`, `cuda` (options light | full, det,
-P<n>), `base` (the cuda backend of a baseline revision loaded beside this library,
+P<n>, tiles<n>), `base` (the cuda backend of a baseline revision loaded beside this library,
 benchmarks/baseline.py; options as cuda), `kcp:W[:...]` (see `kcp_arm`), `flashqla`, `fla`.
 Adding an arm: write a factory `options -> Arm` and add it to `FACTORIES`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Callable, Dict, List, Optional
@@ -136,6 +137,19 @@ def build_jax_op(wl, op, *, backend, save_mode="light", deterministic=False, seg
     return fn, names
 
 
+def _walk_tiles(lib, n):
+    """primitives.cuda.walk_column_tiles(n) of `lib` (None: jax_cake_gdn), or nothing for n None
+    (ArmUnavailable where `lib` has no such switch)."""
+    if n is None:
+        return contextlib.nullcontext()
+    if lib is None:
+        import jax_cake_gdn as lib
+    switch = getattr(getattr(lib.primitives, "cuda", None), "walk_column_tiles", None)
+    if switch is None:
+        raise ArmUnavailable(f"{lib.__name__} has no walk_column_tiles (option tiles{n})")
+    return switch(n)
+
+
 def _jax_to_numpy(res):
     import jax
     import numpy as np
@@ -173,8 +187,9 @@ def jax_arm(backend: str, opts: List[str], *, baseline: bool = False) -> Arm:
     baseline copy that `python -m benchmarks.baseline REV --dest DIR` made ($JCG_BASELINE=DIR).
 
     Options: light (default here; gdn's own default is full) | full (save_mode), det
-    (deterministic=True), P<n> (segments=n)."""
-    save_mode, det, segments = "light", False, None
+    (deterministic=True), P<n> (segments=n), tiles<n> (the forward walk's column tiles, n = 0, 1
+    or 2: traced under primitives.cuda.walk_column_tiles(n); 0 is the kernel's choice)."""
+    save_mode, det, segments, tiles = "light", False, None, None
     label = "base" if baseline else backend
     for o in opts:
         if o in ("light", "full"):
@@ -183,12 +198,17 @@ def jax_arm(backend: str, opts: List[str], *, baseline: bool = False) -> Arm:
             det = True
         elif o.startswith("P") and o[1:].isdigit() and int(o[1:]) > 0:
             segments = int(o[1:])
+        elif o in ("tiles0", "tiles1", "tiles2"):
+            tiles = int(o[5:])
         else:
-            raise ValueError(f"arm {label}: unknown option {o!r} (light, full, det, P<n>)")
+            raise ValueError(f"arm {label}: unknown option {o!r} (light, full, det, P<n>, "
+                             "tiles0/1/2)")
     name = ":".join([label] + opts)
     options = {"backend": backend, "save_mode": save_mode, "deterministic": det}
     if segments is not None:
         options["segments"] = segments
+    if tiles is not None:
+        options["walk_column_tiles"] = tiles
 
     def setup(wl, op, inputs):
         lib = None
@@ -205,7 +225,8 @@ def jax_arm(backend: str, opts: List[str], *, baseline: bool = False) -> Arm:
                                  segments=segments, lib=lib)
         args = tuple(dev[n] for n in names)
         do, cu = dev["do"], dev["cu_seqlens"]
-        return _jax_call(fn, args, do, cu)
+        with _walk_tiles(lib, tiles):  # _jax_call traces and compiles fn
+            return _jax_call(fn, args, do, cu)
 
     return Arm(name=name, setup=setup, framework=frameworks.JAX, to_numpy=_jax_to_numpy,
                options=options)

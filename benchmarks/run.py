@@ -69,8 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--ops", default="fwd,fwd+bwd,ckpt", help="comma list of fwd, fwd+bwd, ckpt")
     p.add_argument("--arms", default="xla,cuda",
                    help="comma list of arm specs name[:opt...]: xla, cuda, base (options light, "
-                        "full, det, P<n>), kcp:W[:layout][:exchange][:light|full][:xla][:P<n>]"
-                        "[:xonly], flashqla, fla")
+                        "full, det, P<n>, tiles0/1/2), "
+                        "kcp:W[:layout][:exchange][:light|full][:xla][:P<n>][:xonly], flashqla, "
+                        "fla")
     p.add_argument("--baseline", default=None,
                    help="arm spec the ratios are against (None: the first arm that ran)")
     p.add_argument("--groups", type=int, default=5, help="groups of palindromic blocks")

@@ -32,14 +32,18 @@ namespace ffi = xla::ffi;
 // Chunk length of the chunked GDN form (docs/design.md section 1).
 inline constexpr int kChunk = 64;
 
-// JAX_CAKE_GDN_POISON=1 (read once per process): outputs are filled with NaN before a kernel
-// runs, so any element a kernel forgets to write shows up as non-finite in tests. All bytes 0xFF
-// is a NaN for f32 and bf16 (and -1 for int32).
+// Whether the environment variable `name` is set to exactly `value` (the switches below read it
+// once per process).
+inline bool env_is(const char* name, const char* value) {
+  const char* v = std::getenv(name);
+  return v != nullptr && std::strcmp(v, value) == 0;
+}
+
+// JAX_CAKE_GDN_POISON=1: outputs are filled with NaN before a kernel runs, so any element a
+// kernel forgets to write shows up as non-finite in tests. All bytes 0xFF is a NaN for f32 and
+// bf16 (and -1 for int32).
 inline bool poison_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAX_CAKE_GDN_POISON");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
+  static const bool enabled = env_is("JAX_CAKE_GDN_POISON", "1");
   return enabled;
 }
 

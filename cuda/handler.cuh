@@ -34,6 +34,10 @@ using Ret = ffi::Result<T>;
 
 inline constexpr char kScale[] = "scale";
 using Scale = ffi::Attr<float, kScale>;
+// The forward walk's column tiles (walk_fwd_launch.cuh: walk_column_tiles): 0 lets the handler
+// choose, 1 or 2 ask for that many.
+inline constexpr char kColumnTiles[] = "column_tiles";
+using ColumnTiles = ffi::Attr<int32_t, kColumnTiles>;
 
 // The chunk table (chunks.py): chunk_start, chunk_len int32[NC].
 struct ChunkTable {
@@ -186,10 +190,7 @@ inline int sm_count() {
 // JAX_CAKE_GDN_PDL=0 (read once per process): no programmatic dependent launch (launch(true,
 // ...) waits for the kernel before it, as a plain launch).
 inline bool pdl_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("JAX_CAKE_GDN_PDL");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
+  static const bool enabled = !env_is("JAX_CAKE_GDN_PDL", "0");
   return enabled;
 }
 

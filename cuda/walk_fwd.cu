@@ -11,18 +11,20 @@
 // (chunk_bwd) uses; the walk itself carries the state in f32.
 //
 //   jax_cake_gdn_walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunk_start, chunk_len,
-//                            seg_first, seg_last, seg_len, seg_order; scale)
+//                            seg_first, seg_last, seg_len, seg_order; scale, column_tiles)
 //       -> o [T, HV, V] (bf16 or f32, the result type chooses), final f32[S, HV, K, V]
 //   jax_cake_gdn_walk_output_tapes(the same) -> o, final, h, v_new, w (replay's, bit for bit)
 //
 //   jax_cake_gdn_solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, chunk_start,
-//                                    chunk_len, seg_first, seg_last, seg_len, seg_order; scale)
+//                                    chunk_len, seg_first, seg_last, seg_len, seg_order; scale,
+//                                    column_tiles)
 //       -> A (solve_a's), a_ready int32[1 + NC HV] (scratch, handoff.cuh), then walk_output's
 //          results
 //   jax_cake_gdn_solve_a_walk_output_tapes(the same) -> A, a_ready, walk_output_tapes' results
 //
 //   jax_cake_gdn_replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first,
-//                       seg_last, seg_len, seg_order) -> h, v_new, w bf16[T, HV, K], final
+//                       seg_last, seg_len, seg_order; column_tiles) -> h, v_new, w bf16[T, HV, K],
+//                       final
 //
 // The light backward's replay: state_walk on prep's w, u, made on chip from A (as prep makes
 // them, bit for bit: bf16(A diag(beta e^G rstd)) times bf16 k, bf16(A diag(beta)) times bf16 v,
@@ -34,9 +36,10 @@
 // kernel by TMA: the handler encodes their tensor maps (tma.cuh). Launch (all three): one CTA of
 // V / 64 compute warpgroups and a producer warpgroup per (segment, value head), grid S x HV
 // (segment-major, the segments in seg_order: chunks.py sorts them longest first). walk_output
-// and replay with few chains (walk_column_tiles) split V = 128 into two CTAs of 64 columns a
-// head, grid S x HV x 2: the recurrence is column-wise in V, each CTA makes the head's w itself
-// (tile 0 stores it), and every output keeps its bits.
+// and replay with few chains (walk_column_tiles; the int32 attribute column_tiles: 0 lets it
+// choose, 1 or 2 ask) split V = 128 into two CTAs of 64 columns a head, grid S x HV x 2: the
+// recurrence is column-wise in V, each CTA makes the head's w itself (tile 0 stores it), and
+// every output keeps its bits.
 #include "solve_a_launch.cuh"
 #include "walk_fwd_launch.cuh"
 
@@ -77,11 +80,11 @@ ffi::Error walk_tapes(cudaStream_t stream, ffi::RemainingRets& tapes, bf16* (&ou
 
 // The fused walk + output (with the tapes when h is given; outputs poisoned by the caller). A
 // read as WalkFwdArgs::a_ready says; behind: launched behind solve_a with programmatic
-// dependent launch.
+// dependent launch; tiles: walk_column_tiles'.
 ffi::Error launch_walk_output(cudaStream_t stream, const ffi::AnyBuffer& q,
                               const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, F32 beta, BF16 A,
                               F32 G, F32 h0, F32 rstd_q, F32 rstd_k, const ChunkTable& chunks,
-                              const SegmentTable& segs, S32 seg_order, float scale,
+                              const SegmentTable& segs, S32 seg_order, float scale, int tiles,
                               ffi::AnyBuffer o, F32 final_state, bf16* const (&tape)[3],
                               const int32_t* a_ready) {
   return dispatch(
@@ -100,7 +103,6 @@ ffi::Error launch_walk_output(cudaStream_t stream, const ffi::AnyBuffer& q,
         a.scale = scale;
         a.a_ready = a_ready;
         const bool behind = a_ready != nullptr;
-        const int tiles = walk_column_tiles(segs.count() * a.HV, VD);
         if (tape[0] == nullptr)
           return run_walk_tiled<WalkMode::kOut, KD, VD>(a, segs, stream, tiles, behind);
         a.h = tape[0];
@@ -115,13 +117,15 @@ ffi::Error launch_walk_output(cudaStream_t stream, const ffi::AnyBuffer& q,
 // walk_output and walk_output_tapes.
 ffi::Error walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        F32 beta, BF16 A, F32 G, F32 h0, F32 rstd_q, F32 rstd_k, ChunkTable chunks,
-                       SegmentTable segs, S32 seg_order, Scale scale, Ret<ffi::AnyBuffer> o,
-                       Ret<F32> final_state, ffi::RemainingRets tapes) {
+                       SegmentTable segs, S32 seg_order, Scale scale, ColumnTiles column_tiles,
+                       Ret<ffi::AnyBuffer> o, Ret<F32> final_state, ffi::RemainingRets tapes) {
   bf16* tape[3] = {nullptr, nullptr, nullptr};
   JCG_RETURN_IF_ERROR(walk_tapes(stream, tapes, tape));
   JCG_CHECK_CUDA(poison_all(stream, *o, *final_state));
+  const int tiles = walk_column_tiles(segs.count() * beta.dimensions()[1], v.dimensions()[2],
+                                      *column_tiles);
   return launch_walk_output(stream, q, k, v, beta, A, G, h0, rstd_q, rstd_k, chunks, segs,
-                            seg_order, *scale, *o, *final_state, tape, nullptr);
+                            seg_order, *scale, tiles, *o, *final_state, tape, nullptr);
 }
 
 // solve_a, then walk_output (with or without tapes) on its A. bf16 inputs whose chains (segments
@@ -131,14 +135,15 @@ ffi::Error walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 ffi::Error solve_a_walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                ffi::AnyBuffer v, F32 beta, F32 G, F32 h0, F32 rstd_q,
                                F32 rstd_k, ChunkTable chunks, SegmentTable segs, S32 seg_order,
-                               Scale scale, Ret<BF16> A, Ret<S32> a_ready,
-                               Ret<ffi::AnyBuffer> o, Ret<F32> final_state,
+                               Scale scale, ColumnTiles column_tiles, Ret<BF16> A,
+                               Ret<S32> a_ready, Ret<ffi::AnyBuffer> o, Ret<F32> final_state,
                                ffi::RemainingRets tapes) {
   bf16* tape[3] = {nullptr, nullptr, nullptr};
   JCG_RETURN_IF_ERROR(walk_tapes(stream, tapes, tape));
   JCG_CHECK_CUDA(poison_all(stream, *o, *final_state, *A));
   const int64_t chains = segs.count() * beta.dimensions()[1];
-  const int64_t walk_ctas = chains * walk_column_tiles(chains, v.dimensions()[2]);
+  const int tiles = walk_column_tiles(chains, v.dimensions()[2], *column_tiles);
+  const int64_t walk_ctas = chains * tiles;
   const bool behind = pdl_enabled() && q.element_type() == ffi::DataType::BF16 &&
                       chunks.count() > 0 && chains > 0 && 2 * chains <= sm_count();
   int32_t* flags = nullptr;
@@ -150,12 +155,13 @@ ffi::Error solve_a_walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
   JCG_RETURN_IF_ERROR(launch_solve_a(stream, k, beta, G, rstd_k, chunks, *A, flags,
                                      static_cast<int>(walk_ctas)));
   return launch_walk_output(stream, q, k, v, beta, *A, G, h0, rstd_q, rstd_k, chunks, segs,
-                            seg_order, *scale, *o, *final_state, tape, flags);
+                            seg_order, *scale, tiles, *o, *final_state, tape, flags);
 }
 
 ffi::Error replay(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 beta, BF16 A,
                   F32 G, F32 h0, F32 rstd_k, ChunkTable chunks, SegmentTable segs, S32 seg_order,
-                  Ret<BF16> h, Ret<BF16> v_new, Ret<BF16> w, Ret<F32> final_state) {
+                  ColumnTiles column_tiles, Ret<BF16> h, Ret<BF16> v_new, Ret<BF16> w,
+                  Ret<F32> final_state) {
   JCG_CHECK_CUDA(poison_all(stream, *h, *v_new, *w, *final_state));
   return dispatch(
       [&](auto in, auto kd, auto vd) {  // column tiles as walk_output's
@@ -170,7 +176,7 @@ ffi::Error replay(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 b
         a.w_out = static_cast<bf16*>(w->untyped_data());
         constexpr int VD = decltype(vd)::value;
         return run_walk_tiled<WalkMode::kReplay, decltype(kd)::value, VD>(
-            a, segs, stream, walk_column_tiles(segs.count() * a.HV, VD));
+            a, segs, stream, walk_column_tiles(segs.count() * a.HV, VD, *column_tiles));
       },
       FloatType{k.element_type()}, HeadDim{k.dimensions()[2]}, HeadDim{v.dimensions()[2]});
 }

@@ -3,8 +3,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -110,15 +108,14 @@ inline ffi::Error run_walk(WalkFwdArgs<In, Out>& a, const SegmentTable& segs,
 }
 
 // Column tiles of a walk_output or replay launch of walk_ctas CTAs (a segment and value head
-// each) at V columns: 2 (two CTAs of 64 columns a head, the V = 64 kernel) at V = 128 when those
-// CTAs would hold at most 3/8 of the SMs (few chains: one long document, small heads), where the
-// one-warpgroup walk's shorter step pays for w being made twice a head; else, or with
-// JAX_CAKE_GDN_WALK_TILES=1, one.
-inline int walk_column_tiles(int64_t walk_ctas, int64_t V) {
-  static const bool one = [] {
-    const char* v = std::getenv("JAX_CAKE_GDN_WALK_TILES");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
+// each) at V columns: `asked` (1, or 2 at V = 128: the caller's ColumnTiles) or, for 0, 2 (two
+// CTAs of 64 columns a head, the V = 64 kernel) at V = 128 when those CTAs would hold at most 3/8
+// of the SMs (few chains: one long document, small heads), where the one-warpgroup walk's shorter
+// step pays for w being made twice a head; else, or with JAX_CAKE_GDN_WALK_TILES=1 (read once per
+// process), one.
+inline int walk_column_tiles(int64_t walk_ctas, int64_t V, int asked) {
+  static const bool one = env_is("JAX_CAKE_GDN_WALK_TILES", "1");
+  if (asked == 1 || asked == 2) return V == 128 ? asked : 1;
   return !one && V == 128 && walk_ctas > 0 && 8 * walk_ctas <= 3 * int64_t{sm_count()} ? 2 : 1;
 }
 

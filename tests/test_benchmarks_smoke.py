@@ -557,3 +557,25 @@ def test_ncu_stalls_reads_an_export(tmp_path, capsys):
     bad.write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="--page source"):
         ncu_stalls.read_sass_csv(str(bad))
+
+
+def test_tiles_option_traces_under_walk_column_tiles():
+    import types
+
+    from jax_cake_gdn.primitives import cuda
+
+    assert arms.make_arm("cuda:full:tiles1").options["walk_column_tiles"] == 1
+    assert "walk_column_tiles" not in arms.make_arm("cuda").options
+    for bad in ("cuda:tiles3", "cuda:tiles"):
+        with pytest.raises(ValueError, match="unknown option"):
+            arms.make_arm(bad)
+    with arms._walk_tiles(None, 2):
+        assert cuda._WALK_TILES[-1] == 2
+    assert cuda._WALK_TILES[-1] == 0
+    old = types.SimpleNamespace(__name__="old", primitives=types.SimpleNamespace())
+    with pytest.raises(arms.ArmUnavailable, match="no walk_column_tiles"):
+        arms._walk_tiles(old, 1)
+    # the option runs an arm end to end (xla: the switch is set while it traces, and unused)
+    w = workloads.get("tiny")
+    call = arms.make_arm("xla:tiles2").setup(w, "fwd", w.make_inputs(0))
+    assert call() is not None and cuda._WALK_TILES[-1] == 0

@@ -21,6 +21,7 @@ and off, bf16 and f32 inputs, K = V = 128 and 64; the same under JAX_CAKE_GDN_PO
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import textwrap
@@ -279,6 +280,39 @@ def test_lower_light_gradient_for_cuda():
     targets = _targets(_lower_cuda(vg, *args))
     assert {"solve_a", "walk_output", "replay", "walk_chunk_bwd"} <= targets, targets
     assert not targets & {"prep", "state_walk"}, targets
+
+
+def test_lower_walk_column_tiles_attribute():
+    """walk_column_tiles(n) reaches the forward walk's and the light replay's custom calls as their
+    column_tiles attribute (0, the kernel's choice, by default); n outside 0..2, and 2 at V = 64,
+    are ValueErrors."""
+    need_ext()
+
+    def grad_fn():  # a fresh function each time: jit keeps what a function was traced with
+        def loss(q, k, v, g, b, cu, h0):
+            o, fin = _fwd("cuda")(q, k, v, g, b, cu, h0)
+            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(fin)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 6))
+
+    walk = re.compile(r"custom_call @jax_cake_gdn_(solve_a_walk_output|walk_output|replay)\(")
+    for n in (None, 0, 1, 2):
+        ctx = contextlib.nullcontext() if n is None else cuda.walk_column_tiles(n)
+        with ctx:  # the plain forward, then light's VJP (solve_a apart, the replay)
+            hlo = _lower_cuda(_fwd("cuda"), *_abstract_inputs())
+            hlo += _lower_cuda(grad_fn(), *_abstract_inputs())
+        calls = [ln for ln in hlo.splitlines() if walk.search(ln)]
+        names = {walk.search(ln).group(1) for ln in calls}
+        assert names == {"solve_a_walk_output", "walk_output", "replay"}, names
+        assert all(f"column_tiles = {n or 0} : i32" in ln for ln in calls), (n, calls)
+    for bad in (3, -1, True, 1.0):
+        with pytest.raises(ValueError, match="n must be 0, 1 or 2"):
+            with cuda.walk_column_tiles(bad):
+                pass
+    with cuda.walk_column_tiles(2), pytest.raises(ValueError, match="need V = 128"):
+        _lower_cuda(_fwd("cuda"), *_abstract_inputs(K=64, V=64))
+    with cuda.walk_column_tiles(1):  # one tile at V = 64 is the only kind there
+        assert "column_tiles = 1 : i32" in _lower_cuda(_fwd("cuda"), *_abstract_inputs(V=64))
 
 
 def test_supports_and_resolve(monkeypatch):
@@ -645,3 +679,34 @@ def test_gpu_gradients_through_cuda_forward():
             assert np.isfinite(np.asarray(d, np.float32)).all(), n
         for n, e in errs.items():
             assert e <= TOL, (mode, n, e)
+
+
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+def test_gpu_walk_column_tiles_bitwise(save_mode):
+    """The forward walk in one CTA a head and in two of 64 value columns (walk_column_tiles) gives
+    o, the final states and every gradient bit for bit alike (deterministic=True; light's
+    backward replays the walk in the same tiles), on a shape whose chains the kernel would split
+    and on one it would not."""
+    need_gpu()
+    for name in ("gva2x6-bf16-l2-h0-long", "gva16x48-bf16-l2-h0", "gva2x6-f32-l2-h0"):
+        _, H, HV, K, V, dtype, l2, h0, docs = next(c for c in CONFIGS if c[0] == name)
+        inp = make_inputs(zlib.crc32(name.encode()) + 3, docs, H=H, HV=HV, K=K, V=V,
+                          dtype=dtype, qk_l2norm=l2, initial_state=h0)
+        args = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")]
+        do = jnp.asarray(np.random.default_rng(1).standard_normal(inp["v"].shape), dtype)
+        got = []
+        for n in (1, 2):
+            def run(q, k, v, g, b, cu, s0):
+                f = lambda *x: gdn(*x[:5], cu_seqlens=cu, qk_l2norm=l2, initial_state=x[5],
+                                   output_final_state=True, save_mode=save_mode,
+                                   deterministic=True, backend="cuda")
+                (o, fin), pull = jax.vjp(f, q, k, v, g, b, s0)
+                return o, fin, pull((do, jnp.ones_like(fin)))
+
+            with cuda.walk_column_tiles(n):
+                got.append(jax.tree.leaves(jax.device_get(jax.jit(run)(*args))))
+        assert len(got[0]) == len(got[1]) == 8
+        for i, (a, b) in enumerate(zip(*got)):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            assert np.isfinite(a).all(), (name, i)
+            assert np.array_equal(a, b), (name, save_mode, i)

@@ -15,6 +15,7 @@ under shard_map are silently wrong (docs/design.md section 2).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import warnings
@@ -489,8 +490,36 @@ def replay(k, v, beta, G, A, h0, rstd_k, ct):
     (T, _, K), (NC, HV), S, V = k.shape, A.shape[:2], h0.shape[0], v.shape[2]
     h, v_new, w, _ = _call(fn, [((NC, HV, K, V), jnp.bfloat16), ((T, HV, V), jnp.bfloat16),
                                 ((T, HV, K), jnp.bfloat16), ((S, HV, K, V), jnp.float32)],
-                           k, v, beta, A, G, h0, r, *tab)
+                           k, v, beta, A, G, h0, r, *tab, column_tiles=_column_tiles(fn, V))
     return w, None, h, v_new
+
+
+_WALK_TILES = [0]  # walk_column_tiles' stack; 0: the kernel's choice
+
+
+@contextlib.contextmanager
+def walk_column_tiles(n: int):
+    """Within the block, `walk_output`, `solve_a_walk_output` and `replay` calls that are traced
+    run their walk in `n` column tiles: 0 (default) lets the kernel choose (two CTAs of 64 value
+    columns a head when the chains are few), 1 keeps one CTA a head, 2 asks for two (V = 128
+    only; a ValueError otherwise). Every result is the same bit for bit; only the speed differs.
+    For tests and benchmarks that compare the two in one process: it applies when a call is
+    traced, so a jitted function keeps the choice it was first traced with."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n not in (0, 1, 2):
+        raise ValueError(f"walk_column_tiles: n must be 0, 1 or 2, got {n!r}")
+    _WALK_TILES.append(int(n))
+    try:
+        yield
+    finally:
+        _WALK_TILES.pop()
+
+
+def _column_tiles(fn: str, V: int) -> np.int32:
+    """The column_tiles attribute of a walk call (walk_column_tiles)."""
+    n = _WALK_TILES[-1]
+    _check(n != 2 or V == 128, f"{fn}: two column tiles (walk_column_tiles(2)) need V = 128, "
+           f"got V = {V}")
+    return np.int32(n)
 
 
 def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale: float, out_dtype,
@@ -508,7 +537,7 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale: float, ou
     (o and the exit states bit for bit those without). With few chains (segments x value heads
     at most 3/8 of the SMs) and V = 128 the kernel runs as two CTAs of 64 value columns a head
     (the recurrence is column-wise in V; each makes w itself), every result bit for bit the same
-    (JAX_CAKE_GDN_WALK_TILES=1: one CTA a head).
+    (JAX_CAKE_GDN_WALK_TILES=1: one CTA a head; `walk_column_tiles` chooses per traced call).
     """
     fn = "walk_output"
     q, k = _qk(fn, q, k)
@@ -517,7 +546,7 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, *, scale: float, ou
     rq = _rstd(fn, "rstd_q", rstd_q, T, H)
     results = _walk_output_results(T, NC, S, HV, K, V, _out_dtype(fn, out_dtype), tapes)
     out = _call("walk_output_tapes" if tapes else fn, results, q, k, v, beta, A, G, h0, rq, rk,
-                *tab, scale=np.float32(scale))
+                *tab, scale=np.float32(scale), column_tiles=_column_tiles(fn, V))
     return _walk_output_returns(out, tapes)
 
 
@@ -554,7 +583,7 @@ def solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, ct, *, scale: floa
     results = ([((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((1 + NC * HV,), jnp.int32)]  # A, flags
                + _walk_output_results(T, NC, S, HV, K, V, _out_dtype(fn, out_dtype), tapes))
     out = _call(fn + ("_tapes" if tapes else ""), results, q, k, v, beta, G, h0, rq, rk, *tab,
-                scale=np.float32(scale))
+                scale=np.float32(scale), column_tiles=_column_tiles(fn, V))
     return (out[0],) + _walk_output_returns(out[2:], tapes)
 
 
