@@ -87,6 +87,8 @@ template <WalkMode M, typename In, typename Out, int K, int V>
 inline ffi::Error launch_walk(WalkFwdArgs<In, Out> a, int64_t slots, cudaStream_t stream,
                               bool behind = false) {
   if (a.VG == 0) a.VG = V;
+  if (a.VG != V && !(V == 64 && a.VG == 128))
+    return ffi::Error::InvalidArgument("walk_fwd_wg: column tiles are two of 64 columns");
   const dim3 grid(static_cast<unsigned>(slots * a.HV * (a.VG / V)));
   // behind solve_a, each CTA asks for an SM's whole shared memory, so that none of solve_a's
   // CTAs shares its SM (they would slow the chain)

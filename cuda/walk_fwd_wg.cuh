@@ -134,7 +134,7 @@ struct WalkFwdArgs {
   int64_t num_tokens;
   int H, HV, NC;
   // v's (and u's, o's, v_new's, the states' and h's) columns in memory: V (one CTA a head, the
-  // default) or 2 V (launch_walk's column tiles: two CTAs a head, each V columns of them)
+  // default) or, for the V = 64 kernel, 128 (launch_walk's column tiles: two CTAs a head)
   int VG;
   int U, S, kind0;  // kTransfer: units, segments, the first kind of this launch
   float scale;
@@ -252,8 +252,10 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
   const int H = a.H, HV = a.HV, NC = a.NC;
   // segments x heads, the segments in seg_order (longest first); an entry out of range walks
   // nothing. kTransfer: (kind, unit) x heads, kind-major, the segment from transfer_seg.
-  // Column tiles: VG / V adjacent CTAs a head, tile v0 / V taking the columns v0.. of VG.
-  const int VG = a.VG, tiles = VG / V, rest = static_cast<int>(blockIdx.x) / tiles;
+  // Column tiles: VG / V adjacent CTAs a head, tile v0 / V taking the columns v0.. of VG (only
+  // the V = 64 kernel takes tiles: at V = 128 they are compile-time 1, as its registers need).
+  const int VG = V == 64 ? a.VG : V, tiles = VG / V;
+  const int rest = static_cast<int>(blockIdx.x) / tiles;
   const int slot = rest / HV, v0 = static_cast<int>(blockIdx.x) % tiles * V;
   const int unit = kTransfer ? slot % a.U : 0, kind = kTransfer ? a.kind0 + slot / a.U : 0;
   const int hv = rest % HV;
