@@ -171,11 +171,11 @@ inline cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, cu
   return cudaGetLastError();
 }
 
-// SMs of the current device (read once per process; 0 if unknown).
 // The most dynamic shared memory one CTA may ask for on sm_90: a CTA that asks for it has its SM
 // to itself.
 constexpr size_t kMaxSmemPerCta = 227 * 1024;
 
+// SMs of the current device (read once per process; 0 if unknown).
 inline int sm_count() {
   static const int n = [] {
     int dev = 0, count = 0;
