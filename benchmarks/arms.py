@@ -144,7 +144,8 @@ def _walk_tiles(lib, n):
         return contextlib.nullcontext()
     if lib is None:
         import jax_cake_gdn as lib
-    switch = getattr(getattr(lib.primitives, "cuda", None), "walk_column_tiles", None)
+    cuda = getattr(getattr(lib, "primitives", None), "cuda", None)
+    switch = getattr(cuda, "walk_column_tiles", None)
     if switch is None:
         raise ArmUnavailable(f"{lib.__name__} has no walk_column_tiles (option tiles{n})")
     return switch(n)
