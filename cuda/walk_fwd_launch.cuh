@@ -81,12 +81,11 @@ inline ffi::Error walk_maps(WalkFwdArgs<In, Out>& a) {
 
 // One CTA of V / 64 compute warpgroups and a producer warpgroup per (slot, value head, column
 // tile): the slots are the segments in seg_order (kTransfer: the (kind, unit) pairs of the
-// launch), the tiles a.VG / V (set by the caller; 0: V, one tile).
+// launch), the tiles a.VG / V (a.VG set by the caller, as walk_maps needs it too).
 // behind: with programmatic dependent launch (behind solve_a, WalkFwdArgs::a_ready).
 template <WalkMode M, typename In, typename Out, int K, int V>
-inline ffi::Error launch_walk(WalkFwdArgs<In, Out> a, int64_t slots, cudaStream_t stream,
+inline ffi::Error launch_walk(const WalkFwdArgs<In, Out>& a, int64_t slots, cudaStream_t stream,
                               bool behind = false) {
-  if (a.VG == 0) a.VG = V;
   if (a.VG != V && !(V == 64 && a.VG == 128))
     return ffi::Error::InvalidArgument("walk_fwd_wg: column tiles are two of 64 columns");
   const dim3 grid(static_cast<unsigned>(slots * a.HV * (a.VG / V)));
