@@ -125,13 +125,13 @@ __device__ __forceinline__ void cb_mma(float (&acc)[NB][4][4], const unsigned ch
                                        const unsigned char* b, int n0) {
   static_assert(NB == 1 || NB == 2, "cb_mma: one or two 64 x 32 blocks");
   float(&d)[16 * NB] = reinterpret_cast<float(&)[16 * NB]>(acc);
+  const uint64_t a0 = AT ? sw128_desc(a, KD * 128) : sw128_desc(a);
+  const uint64_t b0 = BT ? sw128_desc(b + 128 * n0)
+                         : sw128_desc(b + (n0 / 64) * (KD * 128) + 2 * (n0 % 64), KD * 128);
 #pragma unroll
   for (int ks = 0; ks < KD / 16; ++ks) {
-    const uint64_t da = AT ? sw128_desc(a + 2048 * ks, KD * 128)
-                           : sw128_desc(a + (ks / 4) * (kChunk * 128) + 32 * (ks % 4));
-    const uint64_t db =
-        BT ? sw128_desc(b + (ks / 4) * (BR * 128) + 128 * n0 + 32 * (ks % 4))
-           : sw128_desc(b + (n0 / 64) * (KD * 128) + 2 * (n0 % 64) + 2048 * ks, KD * 128);
+    const uint64_t da = desc_plus(a0, AT ? 2048 * ks : (ks / 4) * (kChunk * 128) + 32 * (ks % 4));
+    const uint64_t db = desc_plus(b0, BT ? (ks / 4) * (BR * 128) + 32 * (ks % 4) : 2048 * ks);
     wgmma_m64k16_ss<32 * NB, AT, !BT, 1>(d, da, db, true);
   }
 }

@@ -50,6 +50,14 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p, uint32_t lbo_bytes
   return d;
 }
 
+// sw128_desc(p + off) from d = sw128_desc(p) (off a multiple of 16 bytes): the offset adds to the
+// start-address field alone (a shared address >> 4 is below 2^14, so nothing carries out of it),
+// one 32-bit add instead of the address arithmetic of a new descriptor.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t d, uint32_t off) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (off >> 4);
+  return (d & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // Byte offset of element (row, col) of a [rows][K] bf16 tile stored as 64-column swizzled slabs
 // of `rows` rows each.
 template <int Rows>
