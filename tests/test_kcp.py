@@ -287,3 +287,49 @@ def test_kcp_cuda_segments_on_one_gpu(rng, segments):
     for a, b in zip(grads, rgrads):
         assert np.all(np.isfinite(np.asarray(a, np.float32)))
         assert rel_rms(a, b) <= 1e-2
+
+
+def _lowered_cuda_calls(f, sds):
+    hlo = jax.jit(f).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
+    return sorted(re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo))
+
+
+@pytest.mark.parametrize("save_mode", ("light", "full"))
+def test_lowered_kcp_on_one_rank_runs_gdns_kernels(save_mode):
+    """At W = 1 with the planned P (1: nothing crosses a unit edge), gdn_kcp lowers to exactly
+    gdn's kernels, forward and forward + backward: no transfer, no twin."""
+    from conftest import need_ext
+
+    need_ext()
+    T, D = 1024, 64
+    m = mesh(1)
+    shapes = [((1, T, 2, D), jnp.bfloat16)] * 2 + [((1, T, 4, D), jnp.bfloat16)] + [
+        ((1, T, 4), jnp.float32)] * 2
+    sds = [jax.ShapeDtypeStruct(s, d) for s, d in shapes] + [
+        jax.ShapeDtypeStruct((4,), jnp.int32)]
+    on_mesh = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, P(None, AX)))
+               for x in sds[:5]] + [
+        jax.ShapeDtypeStruct((4,), jnp.int32, sharding=NamedSharding(m, P()))]
+    kw = dict(qk_l2norm=True, backend="cuda", save_mode=save_mode)
+
+    def kcp(q, k, v, g, beta, cu):
+        return J.gdn_kcp(q, k, v, g, beta, cu_seqlens=cu, axis_name=AX, **kw)
+
+    def gdn(q, k, v, g, beta, cu):
+        return J.gdn(q, k, v, g, beta, cu_seqlens=cu, **kw)
+
+    def with_grad(f):
+        def step(*a):
+            o, pull = jax.vjp(lambda *x: f(*x, a[5]), *a[:5])
+            return o, pull(o)
+        return step
+
+    sharded = lambda f, outs: jax.shard_map(f, mesh=m, in_specs=(P(None, AX),) * 5 + (P(),),
+                                            out_specs=outs)
+    tok = P(None, AX)
+    for f, outs in ((lambda *a: kcp(*a), tok), (with_grad(kcp), (tok, (tok,) * 5))):
+        ref = gdn if outs is tok else with_grad(gdn)
+        got = _lowered_cuda_calls(sharded(f, outs), on_mesh)
+        want = _lowered_cuda_calls(ref, sds)
+        assert "transfer" not in got and "transfer_bwd" not in got, got
+        assert got == want, (got, want)
