@@ -434,6 +434,19 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   const int len = cs.len;
   if (len == 0) return;  // unused chunk: no token rows
 
+  // dQ or dK rows of this thread's blocks (K / 64 of a 64 x K result) to dst: stored, or with
+  // sum_groups added atomically
+  auto store_dqk = [&](const float (&acc)[K / 64][4][4], float* dst) {
+#pragma unroll
+    for (int it = 0; it < K / 64; ++it) {
+      int m0, n0;
+      cb_tile_pos<K / 64>(it, m0, n0);
+      cb_store_rows(
+          acc[it], len, m0, n0,
+          [&](int i) { return dst + ((cs.start + i) * dqk_heads + dqk_head) * K; },
+          [](int) { return 1.f; }, sum_groups);
+    }
+  };
   const int64_t qk_off = cs.start * H * K + hk * K;
   const int64_t v_off = (cs.start * HV + hv) * V;
 
@@ -624,15 +637,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
           cb_mma<kChunk, true, false>(dk, DGm, Qs, n0);
         },
         acc, dk);
-#pragma unroll
-    for (int it = 0; it < K / 64; ++it) {
-      int m0, n0;
-      cb_tile_pos<K / 64>(it, m0, n0);
-      cb_store_rows(
-          acc[it], len, m0, n0,
-          [&](int i) { return dQ + ((cs.start + i) * dqk_heads + dqk_head) * K; },
-          [](int) { return 1.f; }, sum_groups);
-    }
+    store_dqk(acc, dQ);
   }
   fence_proxy_async();
   __syncthreads();  // Q, dO, vn, dS, dGam dead
@@ -885,15 +890,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
         }
       },
       dk);
-#pragma unroll
-  for (int it = 0; it < K / 64; ++it) {
-    int m0, n0;
-    cb_tile_pos<K / 64>(it, m0, n0);
-    cb_store_rows(
-        dk[it], len, m0, n0,
-        [&](int i) { return dK + ((cs.start + i) * dqk_heads + dqk_head) * K; },
-        [](int) { return 1.f; }, sum_groups);
-  }
+  store_dqk(dk, dK);
   __syncthreads();
   if (warp == 0) {
     // dg_t = dG_C + sum_{t <= i < len} dG_i (reverse in-chunk cumsum, sdG = 0 past len): lane l
