@@ -37,6 +37,15 @@ def need_ext():
         pytest.skip(f"jax_cake_gdn._cuda not built: {cuda.unavailable_reason()}")
 
 
+def lowered_cuda_calls(f, *args) -> list:
+    """The jax_cake_gdn custom calls (target names without the prefix, in program order) of f
+    jitted and lowered for the cuda platform at these argument shapes (any host)."""
+    import re
+
+    hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo)
+
+
 def need_gpu():
     """Skip unless the extension is built and a CUDA GPU is visible."""
     from jax_cake_gdn.primitives import cuda

@@ -289,16 +289,11 @@ def test_kcp_cuda_segments_on_one_gpu(rng, segments):
         assert rel_rms(a, b) <= 1e-2
 
 
-def _lowered_cuda_calls(f, sds):
-    hlo = jax.jit(f).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
-    return sorted(re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo))
-
-
 @pytest.mark.parametrize("save_mode", ("light", "full"))
 def test_lowered_kcp_on_one_rank_runs_gdns_kernels(save_mode):
     """At W = 1 with the planned P (1: nothing crosses a unit edge), gdn_kcp lowers to exactly
     gdn's kernels, forward and forward + backward: no transfer, no twin."""
-    from conftest import need_ext
+    from conftest import lowered_cuda_calls, need_ext
 
     need_ext()
     T, D = 1024, 64
@@ -324,12 +319,10 @@ def test_lowered_kcp_on_one_rank_runs_gdns_kernels(save_mode):
             return o, pull(o)
         return step
 
-    sharded = lambda f, outs: jax.shard_map(f, mesh=m, in_specs=(P(None, AX),) * 5 + (P(),),
-                                            out_specs=outs)
     tok = P(None, AX)
-    for f, outs in ((lambda *a: kcp(*a), tok), (with_grad(kcp), (tok, (tok,) * 5))):
-        ref = gdn if outs is tok else with_grad(gdn)
-        got = _lowered_cuda_calls(sharded(f, outs), on_mesh)
-        want = _lowered_cuda_calls(ref, sds)
+    for f, ref, outs in ((kcp, gdn, tok), (with_grad(kcp), with_grad(gdn), (tok, (tok,) * 5))):
+        sharded = jax.shard_map(f, mesh=m, in_specs=(tok,) * 5 + (P(),), out_specs=outs)
+        got = sorted(lowered_cuda_calls(sharded, *on_mesh))
+        want = sorted(lowered_cuda_calls(ref, *sds))
         assert "transfer" not in got and "transfer_bwd" not in got, got
         assert got == want, (got, want)

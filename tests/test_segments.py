@@ -15,14 +15,13 @@ P = 1, light == full bitwise with deterministic=True, NaN contained.
 
 from __future__ import annotations
 
-import re
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_inputs, need_gpu, rel_rms, run_python
+from conftest import lowered_cuda_calls, make_inputs, need_gpu, rel_rms, run_python
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -176,8 +175,7 @@ def _lowered_calls(segments, save_mode="light"):
                           q, k, v, g, beta)
         return o, pull(o)
 
-    hlo = jax.jit(step).trace(*sds, cu).lower(lowering_platforms=("cuda",)).as_text()
-    return re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo)
+    return lowered_cuda_calls(step, *sds, cu)
 
 
 def test_lowered_segments_add_only_the_transfer_kernels():
@@ -204,8 +202,7 @@ def test_lowered_full_forward_without_grad_writes_no_tapes():
            + [jax.ShapeDtypeStruct((1, T, 4), jnp.float32)] * 2)
     for segments in (1, 4):
         f = lambda *a: J.gdn(*a, backend="cuda", save_mode="full", segments=segments)
-        hlo = jax.jit(f).trace(*sds).lower(lowering_platforms=("cuda",)).as_text()
-        calls = re.findall(r"custom_call @jax_cake_gdn_(\w+)", hlo)
+        calls = lowered_cuda_calls(f, *sds)
         # the plain call runs light's forward: A and the walk in one call where nothing crosses
         walk = "solve_a_walk_output" if segments == 1 else "walk_output"
         assert walk in calls and not [c for c in calls if c.endswith("_tapes")], calls
