@@ -47,11 +47,16 @@
 // the same values, so every output keeps its bits.
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128),
 // and so does M (stage 1's 64 x 64 block layout, stage 7 adds to it; its row and column sums
-// leave through small partial arrays); dQ, dV are written as soon as they are final. Shared
-// memory (K = V = 128: 192 KiB, 1 CTA / SM), every bf16 tile as slabs (element (r, c) at
+// leave through small partial arrays); dQ, dV are written as soon as they are final. A full
+// chunk's dQ and dK leave by TMA: the threads put them into an f32 staging area as the boxes of
+// a swizzled tensor map (cb_stage_f32), and after the next CTA barrier one thread stores the
+// boxes (or, with sum_groups, adds them by TMA's f32 reduce-add); a partial chunk's rows go out
+// from the threads (with sum_groups as 16-byte atomic adds). The threads' stores cost the item
+// more than the bulk copies (their shuffles and 16-byte atomics held the warps).
+// Shared memory (K = V = 128: 224 KiB, 1 CTA / SM), every bf16 tile as slabs (element (r, c) at
 // slab_offset<rows>(r, c)): persistent Ks, dvn (bf16, walk_bwd's); a phase-A region (Q, dO, vn,
-// h, dS, dGam) that phase B reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V;
-// small arrays.
+// h, dS, dGam) that phase B reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V; the
+// f32 staging area (64 x K); small arrays.
 // Loads: with bf16 inputs the token-row operands go by cp.async at stage 0 in two groups: what
 // stage 1 reads (vn, q, k, dO, rstd; q, k are then scaled by rstd in place, each thread its own
 // pieces: the values a register pass would give), then V, in flight during stage 1; f32 inputs
@@ -94,9 +99,11 @@ struct ChunkBwdSmem {
   // A (bf16, as stored) and V (bf16 inputs: copied at stage 0), read from stage 5 on
   static constexpr size_t oA = oDG + kTT;
   static constexpr size_t oV = oA + kTT;
+  // dQ, then dK, f32 on their way out by TMA (full chunks): K / 32 boxes of 64 x 32
+  static constexpr size_t oStage = oV + kTV;
   // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), M's row
   // (64 x 2) and column (4 x 64) partial sums, dG, red, rstd_q, rstd_k of the chunk's rows
-  static constexpr size_t oSmall = oV + kTV;
+  static constexpr size_t oSmall = oStage + size_t{kChunk} * K * sizeof(float);
   static constexpr int nSmall =
       2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + 6 * kChunk + kChunk + 32 + 2 * kChunk;
   static constexpr size_t bytes = oSmall + nSmall * sizeof(float) + 1024;  // + alignment
@@ -372,6 +379,30 @@ __device__ __forceinline__ float cb_pair_at(const uint32_t (&p)[4][2], int nt, i
   return (e & 1) ? f.y : f.x;
 }
 
+// This thread's elements of its NB blocks (cb_tile_pos) of a 64 x (64 NB) f32 result into
+// stage, as the boxes of a 128-byte swizzled f32 tensor map (make_tma_token_rows_f32): box b
+// holds columns 32 b.. (one 64 x 32 block) at stage + 8192 b, row r's 16-byte piece p at piece
+// p ^ (r % 8) of its 128 bytes (a warp's 8-byte stores then fill whole 128-byte lines).
+template <int NB>
+__device__ __forceinline__ void cb_stage_f32(const float (&acc)[NB][4][4], unsigned char* stage) {
+  const int q = threadIdx.x & 3;
+#pragma unroll
+  for (int it = 0; it < NB; ++it) {
+    int m0, n0;
+    cb_tile_pos<NB>(it, m0, n0);
+    unsigned char* box = stage + (n0 / 32) * (kChunk * 128);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = cb_row(m0, 2 * hf);
+        const int piece = (2 * nt + (q >> 1)) ^ (r & 7);
+        *reinterpret_cast<float2*>(box + r * 128 + piece * 16 + 8 * (q & 1)) =
+            make_float2(acc[it][nt][2 * hf], acc[it][nt][2 * hf + 1]);
+      }
+  }
+}
+
 template <typename In, int K, int V>
 __global__ void __launch_bounds__(kCbThreads, 1)
     chunk_bwd_kernel(const In* __restrict__ q, const In* __restrict__ k, const In* __restrict__ v,
@@ -382,6 +413,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      const __grid_constant__ CUtensorMap dS_end_map,  // K x 64 boxes
                      const __grid_constant__ CUtensorMap dvn_map,     // 64 x 64 boxes
                      const In* __restrict__ dout,
+                     const __grid_constant__ CUtensorMap dQ_map,  // 32 x 64 boxes (f32)
+                     const __grid_constant__ CUtensorMap dK_map,
                      const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
@@ -418,6 +451,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   unsigned char* DA = smem + Sm::oDA;
   unsigned char* DKK = smem + Sm::oDA;
   unsigned char* Xs = smem + Sm::oX;
+  unsigned char* Stage = smem + Sm::oStage;
   // element (r, c) of a [64][*] or [K][*] slab tile
   auto at64 = [](unsigned char* t, int r, int c) { return slab_at<kChunk>(t)(r, c); };
   auto atK = [](unsigned char* t, int r, int c) { return slab_at<K>(t)(r, c); };
@@ -435,8 +469,15 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   if (len == 0) return;  // unused chunk: no token rows
 
   // dQ or dK rows of this thread's blocks (K / 64 of a 64 x K result) to dst: stored, or with
-  // sum_groups added atomically
+  // sum_groups added atomically. A full chunk's go through Stage and leave by TMA instead
+  // (cb_stage_f32 here; the barrier after it, then tma_dqk)
+  const bool full = len == kChunk;
   auto store_dqk = [&](const float (&acc)[K / 64][4][4], float* dst) {
+    if (full) {
+      cb_stage_f32(acc, Stage);
+      fence_proxy_async();
+      return;
+    }
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
       int m0, n0;
@@ -445,6 +486,15 @@ __global__ void __launch_bounds__(kCbThreads, 1)
           acc[it], len, m0, n0,
           [&](int i) { return dst + ((cs.start + i) * dqk_heads + dqk_head) * K; },
           [](int) { return 1.f; }, sum_groups);
+    }
+  };
+  auto tma_dqk = [&](const CUtensorMap* map) {  // one thread, after the barrier
+#pragma unroll
+    for (int b = 0; b < K / 32; ++b) {
+      if (sum_groups)
+        tma_reduce_add_3d(map, Stage + b * (kChunk * 128), 32 * b, dqk_head, cs.start);
+      else
+        tma_store_3d(map, Stage + b * (kChunk * 128), 32 * b, dqk_head, cs.start);
     }
   };
   const int64_t qk_off = cs.start * H * K + hk * K;
@@ -640,7 +690,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     store_dqk(acc, dQ);
   }
   fence_proxy_async();
-  __syncthreads();  // Q, dO, vn, dS, dGam dead
+  __syncthreads();  // Q, dO, vn, dS, dGam dead; dQ staged
+  if (full && tid == 0) tma_dqk(&dQ_map);
 
   // ---- stage 4: dw = -dvn h^T -> Dw (bf16, dS's slot); f32 inputs: V through registers
   if constexpr (!Sm::kRaw)
@@ -831,6 +882,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       }
   }
   fence_proxy_async();
+  if (full && tid == 0) tma_store_wait_read();  // Stage free again for dK
   __syncthreads();  // dKK, M, partial sums complete
 
   // ---- stage 8: dK += dKK K + dKK^T K (global); per-row reductions (they need none of the
@@ -891,7 +943,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       },
       dk);
   store_dqk(dk, dK);
-  __syncthreads();
+  __syncthreads();  // dK staged
+  if (full && tid == 0) tma_dqk(&dK_map);
   if (warp == 0) {
     // dg_t = dG_C + sum_{t <= i < len} dG_i (reverse in-chunk cumsum, sdG = 0 past len): lane l
     // holds rows 2l, 2l + 1; suffix sums of the pairs over lanes by shuffles, then each row
@@ -910,6 +963,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     if (i0 < len) dg[(cs.start + i0) * HV + hv] = r1 + x0;
     if (i0 + 1 < len) dg[(cs.start + i0 + 1) * HV + hv] = r1;
   }
+  if (full && tid == 0) tma_store_wait();
 }
 
 }  // namespace jax_cake_gdn

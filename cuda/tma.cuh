@@ -1,10 +1,11 @@
 // Hopper tensor memory access (TMA): bf16 tiles from global memory straight into 128-byte
 // swizzled shared-memory slabs (the layout wgmma.cuh's sw128_desc reads), completed on an
-// mbarrier.
+// mbarrier; and bf16 or f32 boxes from shared memory out to global memory (stored, or added by
+// the TMA unit's f32 reduce-add), as bulk groups of the issuing thread.
 //
-// Host: make_tma_bf16 encodes a tensor map (cuTensorMapEncodeTiled, found through the runtime's
-// driver entry point, so nothing links libcuda) for boxes of 64 elements (128 bytes, the swizzle
-// span) x box rows. A kernel takes the map as a member of a __grid_constant__ parameter.
+// Host: make_tma encodes a tensor map (cuTensorMapEncodeTiled, found through the runtime's
+// driver entry point, so nothing links libcuda) for boxes 128 bytes wide (the swizzle span: 64
+// bf16 or 32 f32 elements) x box rows. A kernel takes the map as a member of a __grid_constant__ parameter.
 // Device: one thread arms an mbarrier with the bytes it expects and issues the copies; every
 // thread that reads the tiles waits on the barrier's phase parity. Elements outside the tensor
 // read as zero (and still count as bytes).
@@ -23,11 +24,12 @@ namespace jax_cake_gdn {
 
 // ---------------------------------------------------------------- host
 
-// A tensor map of a bf16 array with dims[0] contiguous: rank dims (innermost first), strides
-// (bytes) of dims 1.., box extents; 128-byte swizzle, so box[0] must be 64. Returns "" or why not.
-inline std::string make_tma_bf16(CUtensorMap* map, const void* base, int rank,
-                                 const uint64_t* dims, const uint64_t* strides,
-                                 const uint32_t* box) {
+// A tensor map of a bf16 or f32 array with dims[0] contiguous: rank dims (innermost first),
+// strides (bytes) of dims 1.., box extents; 128-byte swizzle, so box[0] must span 128 bytes (64
+// bf16 or 32 f32 elements). Returns "" or why not.
+inline std::string make_tma(CUtensorMap* map, CUtensorMapDataType type, const void* base,
+                            int rank, const uint64_t* dims, const uint64_t* strides,
+                            const uint32_t* box) {
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found;
@@ -39,12 +41,29 @@ inline std::string make_tma_bf16(CUtensorMap* map, const void* base, int rank,
   }();
   if (encode == nullptr) return "cuTensorMapEncodeTiled is not available from the driver";
   const cuuint32_t ones[5] = {1, 1, 1, 1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, static_cast<cuuint32_t>(rank),
+  const CUresult r = encode(map, type, static_cast<cuuint32_t>(rank),
                             const_cast<void*>(base), dims, strides, box, ones,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? "" : "cuTensorMapEncodeTiled failed (error " + std::to_string(r) + ")";
+}
+
+inline std::string make_tma_bf16(CUtensorMap* map, const void* base, int rank,
+                                 const uint64_t* dims, const uint64_t* strides,
+                                 const uint32_t* box) {
+  return make_tma(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, base, rank, dims, strides, box);
+}
+
+// A map of an f32 [T, heads, D] array (per-token rows of heads): boxes of 32 columns (128 bytes)
+// x 64 token rows of one head. Returns "" or why not.
+inline std::string make_tma_token_rows_f32(CUtensorMap* map, const void* base, int64_t T,
+                                           int64_t heads, int64_t D) {
+  const uint64_t dims[3] = {static_cast<uint64_t>(D), static_cast<uint64_t>(heads),
+                            static_cast<uint64_t>(T)};
+  const uint64_t strides[2] = {static_cast<uint64_t>(D) * 4, static_cast<uint64_t>(heads * D) * 4};
+  const uint32_t box[3] = {32, 1, static_cast<uint32_t>(kChunk)};
+  return make_tma(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, 3, dims, strides, box);
 }
 
 // A map of a row-major bf16 [rows, cols] array (cols a multiple of 8): boxes of 64 columns x
@@ -150,6 +169,18 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
                                              int c1, int c2) {
   asm volatile(
       "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n"
+      "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
+      : "memory");
+}
+
+// tma_store_3d, adding the box to what is in global memory (f32 atomic adds, in no fixed order
+// against other adds to the same elements).
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* map, const void* src, int c0,
+                                                  int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%1, %2, %3}], [%4];\n"
       "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
       "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
       : "memory");
