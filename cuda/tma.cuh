@@ -5,7 +5,8 @@
 //
 // Host: make_tma encodes a tensor map (cuTensorMapEncodeTiled, found through the runtime's
 // driver entry point, so nothing links libcuda) for boxes 128 bytes wide (the swizzle span: 64
-// bf16 or 32 f32 elements) x box rows. A kernel takes the map as a member of a __grid_constant__ parameter.
+// bf16 or 32 f32 elements) x box rows. A kernel takes the map as a member of a __grid_constant__
+// parameter.
 // Device: one thread arms an mbarrier with the bytes it expects and issues the copies; every
 // thread that reads the tiles waits on the barrier's phase parity. Elements outside the tensor
 // read as zero (and still count as bytes).
