@@ -381,11 +381,10 @@ __device__ __forceinline__ float cb_pair_at(const uint32_t (&p)[4][2], int nt, i
 
 // This thread's elements of its NB blocks (cb_tile_pos) of a 64 x (64 NB) f32 result into
 // stage, as the boxes of a 128-byte swizzled f32 tensor map (make_tma_token_rows_f32): box b
-// holds columns 32 b.. (one 64 x 32 block) at stage + 8192 b, row r's 16-byte piece p at piece
-// p ^ (r % 8) of its 128 bytes (a warp's 8-byte stores then fill whole 128-byte lines).
+// holds columns 32 b.. (one 64 x 32 block) at stage + 8192 b, f32 column c of a row where a bf16
+// slab keeps column 2 c (sw128_offset; a warp's 8-byte stores then fill whole 128-byte lines).
 template <int NB>
 __device__ __forceinline__ void cb_stage_f32(const float (&acc)[NB][4][4], unsigned char* stage) {
-  const int q = threadIdx.x & 3;
 #pragma unroll
   for (int it = 0; it < NB; ++it) {
     int m0, n0;
@@ -395,9 +394,8 @@ __device__ __forceinline__ void cb_stage_f32(const float (&acc)[NB][4][4], unsig
     for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int r = cb_row(m0, 2 * hf);
-        const int piece = (2 * nt + (q >> 1)) ^ (r & 7);
-        *reinterpret_cast<float2*>(box + r * 128 + piece * 16 + 8 * (q & 1)) =
+        const int r = cb_row(m0, 2 * hf), c = cb_col(0, nt, 0);  // c: column in the box
+        *reinterpret_cast<float2*>(box + sw128_offset(r, 2 * c)) =
             make_float2(acc[it][nt][2 * hf], acc[it][nt][2 * hf + 1]);
       }
   }
