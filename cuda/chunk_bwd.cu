@@ -25,7 +25,7 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
   const bool sum_groups = out.dQ.dimensions()[1] < HV;  // dQ, dK f32[T, H, K]
   // dS_end, h as [NC * HV * K rows, V], dvn as [NC * HV * 64 rows, V], A as [NC * HV * 64, 64]:
   // the kernel loads the 64-column boxes of one (chunk, head)
-  CUtensorMap dS_end_map{}, dvn_map{}, h_map{}, A_map{}, dQ_map{}, dK_map{};
+  CUtensorMap dS_end_map{}, dvn_map{}, h_map{}, A_map{}, dQ_map{}, dK_map{}, dV_map{};
   if (NC * HV > 0) {
     JCG_CHECK_MAP(make_tma_state_rows_bf16(&dS_end_map, in.dS_end.untyped_data(), NC, HV, K, V),
                   "dS_end");
@@ -35,10 +35,13 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
     JCG_CHECK_MAP(
         make_tma_rows_bf16(&A_map, in.A.untyped_data(), NC * HV * kChunk, kChunk, kChunk), "A");
   }
-  if (T > 0) {  // full chunks' dQ, dK rows leave by TMA (stored, or added with sum_groups)
+  if (T > 0) {  // full chunks' dQ, dK (stored, or added with sum_groups), dV rows leave by TMA
     const int64_t HQ = out.dQ.dimensions()[1];
-    JCG_CHECK_MAP(make_tma_token_rows_f32(&dQ_map, out.dQ.untyped_data(), T, HQ, K), "dQ");
-    JCG_CHECK_MAP(make_tma_token_rows_f32(&dK_map, out.dK.untyped_data(), T, HQ, K), "dK");
+    JCG_CHECK_MAP(make_tma_token_rows(&dQ_map, out.dQ.untyped_data(), T, HQ, K), "dQ");
+    JCG_CHECK_MAP(make_tma_token_rows(&dK_map, out.dK.untyped_data(), T, HQ, K), "dK");
+    JCG_CHECK_MAP(make_tma_token_rows(&dV_map, out.dV.untyped_data(), T, HV, V,
+                                      out.dV.element_type() == ffi::DataType::BF16),
+                  "dV");
   }
   plan.ctas = NC * HV;
   plan.items = NC * HV;
@@ -67,7 +70,7 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
                      ChunkBwdSmem<In, KD, VD>::bytes, stream, data<In>(in.q), data<In>(in.k),
                      data<In>(in.v), in.beta.typed_data(), in.G.typed_data(), A_map, h_map,
                      static_cast<const bf16*>(in.v_new.untyped_data()), dS_end_map, dvn_map,
-                     data<In>(in.dout), dQ_map, dK_map, optional_data(in.rstd_q),
+                     data<In>(in.dout), dQ_map, dK_map, dV_map, optional_data(in.rstd_q),
                      optional_data(in.rstd_k),
                      in.chunks.start.typed_data(), in.chunks.len.typed_data(),
                      o.dQ.typed_data(), o.dK.typed_data(), data<In>(o.dV), o.dg.typed_data(),

@@ -48,15 +48,16 @@
 // dK accumulates in registers across the stages (two 64 x 32 blocks per warpgroup at K = 128),
 // and so does M (stage 1's 64 x 64 block layout, stage 7 adds to it; its row and column sums
 // leave through small partial arrays); dQ, dV are written as soon as they are final. A full
-// chunk's dQ and dK leave by TMA: the threads put them into an f32 staging area as the boxes of
-// a swizzled tensor map (cb_stage_f32), and after the next CTA barrier one thread stores the
-// boxes (or, with sum_groups, adds them by TMA's f32 reduce-add); a partial chunk's rows go out
-// from the threads (with sum_groups as 16-byte atomic adds). The threads' stores cost the item
+// chunk's dQ, dV and dK leave by TMA, one after the other through one staging area: the threads
+// put them there as the boxes of a swizzled tensor map (cb_stage_f32; bf16 dV as slabs), and
+// after the next CTA barrier one thread stores the boxes (or, for dQ, dK with sum_groups, adds
+// them by TMA's f32 reduce-add); a partial chunk's rows go out from the threads (with sum_groups
+// as 16-byte atomic adds). The threads' stores cost the item
 // more than the bulk copies (their shuffles and 16-byte atomics held the warps).
 // Shared memory (K = V = 128: 224 KiB, 1 CTA / SM), every bf16 tile as slabs (element (r, c) at
 // slab_offset<rows>(r, c)): persistent Ks, dvn (bf16, walk_bwd's); a phase-A region (Q, dO, vn,
 // h, dS, dGam) that phase B reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V; the
-// f32 staging area (64 x K); small arrays.
+// staging area (64 x K f32, or 64 x V in dV's dtype if larger); small arrays.
 // Loads: with bf16 inputs the token-row operands go by cp.async at stage 0 in two groups: what
 // stage 1 reads (vn, q, k, dO, rstd; q, k are then scaled by rstd in place, each thread its own
 // pieces: the values a register pass would give), then V, in flight during stage 1; f32 inputs
@@ -99,11 +100,14 @@ struct ChunkBwdSmem {
   // A (bf16, as stored) and V (bf16 inputs: copied at stage 0), read from stage 5 on
   static constexpr size_t oA = oDG + kTT;
   static constexpr size_t oV = oA + kTT;
-  // dQ, then dK, f32 on their way out by TMA (full chunks): K / 32 boxes of 64 x 32
+  // dQ, dV, then dK on their way out by TMA (full chunks): boxes of 64 rows x 128 bytes
+  static constexpr size_t kStage = size_t{kChunk} * (K * sizeof(float) > V * sizeof(In)
+                                                         ? K * sizeof(float)
+                                                         : V * sizeof(In));
   static constexpr size_t oStage = oV + kTV;
   // small arrays (floats): G, beta, partial sums a, b, c, d (64 x 4 each), e (64 x 2), M's row
   // (64 x 2) and column (4 x 64) partial sums, dG, red, rstd_q, rstd_k of the chunk's rows
-  static constexpr size_t oSmall = oStage + size_t{kChunk} * K * sizeof(float);
+  static constexpr size_t oSmall = oStage + kStage;
   static constexpr int nSmall =
       2 * kChunk + 4 * 4 * kChunk + 2 * kChunk + 6 * kChunk + kChunk + 32 + 2 * kChunk;
   static constexpr size_t bytes = oSmall + nSmall * sizeof(float) + 1024;  // + alignment
@@ -383,8 +387,10 @@ __device__ __forceinline__ float cb_pair_at(const uint32_t (&p)[4][2], int nt, i
 // stage, as the boxes of a 128-byte swizzled f32 tensor map (make_tma_token_rows_f32): box b
 // holds columns 32 b.. (one 64 x 32 block) at stage + 8192 b, f32 column c of a row where a bf16
 // slab keeps column 2 c (sw128_offset; a warp's 8-byte stores then fill whole 128-byte lines).
-template <int NB>
-__device__ __forceinline__ void cb_stage_f32(const float (&acc)[NB][4][4], unsigned char* stage) {
+// Row r's elements are multiplied by scale(r).
+template <int NB, typename Scale>
+__device__ __forceinline__ void cb_stage_f32(const float (&acc)[NB][4][4], unsigned char* stage,
+                                             Scale scale) {
 #pragma unroll
   for (int it = 0; it < NB; ++it) {
     int m0, n0;
@@ -395,8 +401,9 @@ __device__ __forceinline__ void cb_stage_f32(const float (&acc)[NB][4][4], unsig
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const int r = cb_row(m0, 2 * hf), c = cb_col(0, nt, 0);  // c: column in the box
+        const float sr = scale(r);
         *reinterpret_cast<float2*>(box + sw128_offset(r, 2 * c)) =
-            make_float2(acc[it][nt][2 * hf], acc[it][nt][2 * hf + 1]);
+            make_float2(sr * acc[it][nt][2 * hf], sr * acc[it][nt][2 * hf + 1]);
       }
   }
 }
@@ -413,6 +420,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      const In* __restrict__ dout,
                      const __grid_constant__ CUtensorMap dQ_map,  // 32 x 64 boxes (f32)
                      const __grid_constant__ CUtensorMap dK_map,
+                     const __grid_constant__ CUtensorMap dV_map,  // 128-byte x 64 boxes
                      const float* __restrict__ rstd_q,  // nullable
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
@@ -472,7 +480,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   const bool full = len == kChunk;
   auto store_dqk = [&](const float (&acc)[K / 64][4][4], float* dst) {
     if (full) {
-      cb_stage_f32(acc, Stage);
+      cb_stage_f32(acc, Stage, [](int) { return 1.f; });
       fence_proxy_async();
       return;
     }
@@ -715,6 +723,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     }
   }
   fence_proxy_async();
+  if (full && tid == 0) tma_store_wait_read();  // Stage free again for dV
   __syncthreads();
 
   // ---- stage 5: dA = diag-col(beta) (du V^T + diag-col(e^G) dw K^T) -> DA (bf16);
@@ -783,9 +792,22 @@ __global__ void __launch_bounds__(kCbThreads, 1)
       cb_row_sums(pc, 4, m0, n0, [&](int nt, int e, int, int, float& s) {
         s += av[it][nt][e] * cb_pair_at(vp[it], nt, e);
       });
-      cb_store_rows(
-          av[it], len, m0, n0, [&](int i) { return dV + ((cs.start + i) * HV + hv) * V; },
-          [&](int i) { return sB[i]; });
+      if (!full) {
+        cb_store_rows(
+            av[it], len, m0, n0, [&](int i) { return dV + ((cs.start + i) * HV + hv) * V; },
+            [&](int i) { return sB[i]; });
+      } else if constexpr (Sm::kRaw) {  // bf16 slabs of 64 columns, as the TMA boxes
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const int i = cb_row(m0, 2 * hf), j = cb_col(n0, nt, 0);
+            cb_st2(at64(Stage, i, j), sB[i] * av[it][nt][2 * hf], sB[i] * av[it][nt][2 * hf + 1]);
+          }
+      }
+    }
+    if constexpr (!Sm::kRaw) {
+      if (full) cb_stage_f32(av, Stage, [&](int i) { return sB[i]; });
     }
 #pragma unroll
     for (int it = 0; it < K / 64; ++it) {
@@ -820,7 +842,12 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     }
   }
   fence_proxy_async();
-  __syncthreads();  // X complete; DA dead
+  __syncthreads();  // X complete; DA dead; dV staged
+  if (full && tid == 0) {
+#pragma unroll
+    for (int b = 0; b < V * int{sizeof(In)} / 128; ++b)
+      tma_store_3d(&dV_map, Stage + b * (kChunk * 128), b * (128 / int{sizeof(In)}), hv, cs.start);
+  }
 
   // ---- stage 7: dL = -tril(X A^T, -1), dLG = dL o Gam, N = dLG o K K^T:
   //               M += diag(beta) N (same thread, same elements as stage 1), rowsum(N), dKK

@@ -56,15 +56,20 @@ inline std::string make_tma_bf16(CUtensorMap* map, const void* base, int rank,
   return make_tma(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, base, rank, dims, strides, box);
 }
 
-// A map of an f32 [T, heads, D] array (per-token rows of heads): boxes of 32 columns (128 bytes)
-// x 64 token rows of one head. Returns "" or why not.
-inline std::string make_tma_token_rows_f32(CUtensorMap* map, const void* base, int64_t T,
-                                           int64_t heads, int64_t D) {
+// A map of a bf16 or f32 [T, heads, D] array (per-token rows of heads; f32 unless bf16 is set):
+// boxes of 128 bytes (32 f32 or 64 bf16 columns) x 64 token rows of one head. Returns "" or why
+// not.
+inline std::string make_tma_token_rows(CUtensorMap* map, const void* base, int64_t T,
+                                       int64_t heads, int64_t D, bool bf16 = false) {
+  const uint64_t es = bf16 ? 2 : 4;
   const uint64_t dims[3] = {static_cast<uint64_t>(D), static_cast<uint64_t>(heads),
                             static_cast<uint64_t>(T)};
-  const uint64_t strides[2] = {static_cast<uint64_t>(D) * 4, static_cast<uint64_t>(heads * D) * 4};
-  const uint32_t box[3] = {32, 1, static_cast<uint32_t>(kChunk)};
-  return make_tma(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, base, 3, dims, strides, box);
+  const uint64_t strides[2] = {static_cast<uint64_t>(D) * es,
+                               static_cast<uint64_t>(heads * D) * es};
+  const uint32_t box[3] = {static_cast<uint32_t>(128 / es), 1, static_cast<uint32_t>(kChunk)};
+  return make_tma(map,
+                  bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                  base, 3, dims, strides, box);
 }
 
 // A map of a row-major bf16 [rows, cols] array (cols a multiple of 8): boxes of 64 columns x
