@@ -52,8 +52,8 @@
 // put them there as the boxes of a swizzled tensor map (cb_stage_f32; bf16 dV as slabs), and
 // after the next CTA barrier one thread stores the boxes (or, for dQ, dK with sum_groups, adds
 // them by TMA's f32 reduce-add); a partial chunk's rows go out from the threads (with sum_groups
-// as 16-byte atomic adds). The threads' stores cost the item
-// more than the bulk copies (their shuffles and 16-byte atomics held the warps).
+// as 16-byte atomic adds). The threads' stores cost the item more than the bulk copies (their
+// shuffles and 16-byte atomics held the warps).
 // Shared memory (K = V = 128: 224 KiB, 1 CTA / SM), every bf16 tile as slabs (element (r, c) at
 // slab_offset<rows>(r, c)): persistent Ks, dvn (bf16, walk_bwd's); a phase-A region (Q, dO, vn,
 // h, dS, dGam) that phase B reuses for dw, dA, A^T dA, dKK; A (bf16, as prep stored it); V; the
@@ -384,7 +384,7 @@ __device__ __forceinline__ float cb_pair_at(const uint32_t (&p)[4][2], int nt, i
 }
 
 // This thread's elements of its NB blocks (cb_tile_pos) of a 64 x (64 NB) f32 result into
-// stage, as the boxes of a 128-byte swizzled f32 tensor map (make_tma_token_rows_f32): box b
+// stage, as the boxes of a 128-byte swizzled f32 tensor map (make_tma_token_rows): box b
 // holds columns 32 b.. (one 64 x 32 block) at stage + 8192 b, f32 column c of a row where a bf16
 // slab keeps column 2 c (sw128_offset; a warp's 8-byte stores then fill whole 128-byte lines).
 // Row r's elements are multiplied by scale(r).
