@@ -460,6 +460,29 @@ def test_host_time_runs():
         assert r["call_min_ms"] <= r["call_ms"] and r["back_to_back_ms"] > 0
 
 
+def test_breakdown_timeline_rows_show_gaps_and_overlaps():
+    """breakdown --timeline: events in start order, times from the first start, the idle gap
+    since the latest end before each (negative: overlap), template arguments cut."""
+    from benchmarks.profiling.breakdown import timeline_rows
+
+    ev = [(1010.0, 5.0, "b"), (1000.0, 20.0, "void ns::k<int, 3>(float*)"), (1030.0, 2.0, "c")]
+    rows = [r.split() for r in timeline_rows(ev)]
+    assert rows == [["0.0", "20.0", "20.0", "0.0", "void", "ns::k"],
+                    ["10.0", "15.0", "5.0", "-10.0", "b"],  # starts inside k
+                    ["30.0", "32.0", "2.0", "10.0", "c"]]  # 10 us after k's end
+    assert timeline_rows([]) == []
+
+
+def test_breakdown_runs_with_its_timeline(capsys):
+    """breakdown on CPU (xla: no device events): the tables and the timeline header print."""
+    from benchmarks.profiling import breakdown
+
+    rows = breakdown.main(["--workload", "tiny", "--ops", "fwd", "--segments", "1", "--calls",
+                           "1", "--backend", "xla", "--timeline"])
+    assert [(r[0], r[1]) for r in rows] == [("fwd", 1)]
+    assert "last call (us)" in capsys.readouterr().out
+
+
 def test_device_time_per_call_from_traces(tmp_path):
     """benchmarks.traces: a jax.profiler trace (folder, .json.gz) and a torch chrome trace
     (.json); each call's device time is the GPU activity that starts inside its host range

@@ -5,7 +5,10 @@ device at chosen unit counts.
 
 Per op and P: the median over `--calls` profiled calls (each after an L2 flush) of each kernel's
 summed time, the total, and the share of the transfer kernels. P = 0 means gdn_kcp at W = 1 with
-its planned P (under a one-device mesh). Prints a table; no file is written.
+its planned P (under a one-device mesh). `--timeline` also lists the last call's device
+activities in start order (start and end from the first one's start, duration, the idle time
+before each or, negative, its overlap with the ones before it), to see what runs serially.
+Prints tables; no file is written.
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ def _short(name: str) -> str:
     return name[:40]
 
 
+def timeline_rows(events) -> list[str]:
+    """One line per device event (start_us, dur_us, name), in start order: its start and end in
+    us from the first start, its duration, and the gap since the latest end before it (negative:
+    it overlaps what ran before), then its name (template arguments cut)."""
+    rows, t0, end = [], None, None
+    for ts, dur, name in sorted(events):
+        t0 = ts if t0 is None else t0
+        gap = 0.0 if end is None else ts - end
+        rows.append(f"{ts - t0:10.1f} {ts - t0 + dur:10.1f} {dur:9.1f} {gap:8.1f}  "
+                    f"{name.split('<')[0][:70]}")
+        end = ts + dur if end is None else max(end, ts + dur)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.profiling.breakdown",
                                 description=__doc__,
@@ -45,6 +62,8 @@ def main(argv=None):
                    help="gdn(deterministic=True): dq, dk per value head, no atomic group sums")
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--backend", default="cuda", help="cuda, or xla (no device events on a CPU)")
+    p.add_argument("--timeline", action="store_true",
+                   help="also list the last call's device activities in start order")
     a = p.parse_args(argv)
 
     import jax
@@ -115,6 +134,10 @@ def main(argv=None):
                   f"transfer + twin {xfer:.3f} ms", flush=True)
             for n, v in sorted(med.items(), key=lambda x: -x[1]):
                 print(f"    {n:28s} {v:8.3f}")
+            if a.timeline and a.calls > 0:
+                print(f"  last call (us): {'start':>8s} {'end':>10s} {'dur':>9s} {'gap':>8s}  name")
+                for row in timeline_rows(traces.in_range(device, ranges[a.calls - 1])):
+                    print("  " + row)
     return rows
 
 
