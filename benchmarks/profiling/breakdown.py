@@ -135,7 +135,8 @@ def main(argv=None):
             for n, v in sorted(med.items(), key=lambda x: -x[1]):
                 print(f"    {n:28s} {v:8.3f}")
             if a.timeline and a.calls > 0:
-                print(f"  last call (us): {'start':>8s} {'end':>10s} {'dur':>9s} {'gap':>8s}  name")
+                print("  last call (us):")
+                print(f"  {'start':>10s} {'end':>10s} {'dur':>9s} {'gap':>8s}  name")
                 for row in timeline_rows(traces.in_range(device, ranges[a.calls - 1])):
                     print("  " + row)
     return rows
