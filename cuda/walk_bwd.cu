@@ -61,6 +61,14 @@ ffi::Error plan_walk(const WalkBwdIn& in, const BF16* dS_end, F32 dh0, const BF1
     JCG_CHECK_MAP(make_tma_rows_bf16(&dvn_map, dvn_data, NC * HV * kChunk, V, kChunk), "dvn");
     JCG_CHECK_MAP(make_tma_state_rows_bf16(&dS_end_map, dS_end_data, NC, HV, K, V), "dS_end");
   }
+  // bf16 inputs: the producer's TMA loads (f32: unused)
+  WalkBwdLoadMaps lm{};
+  if (in.q.element_type() == ffi::DataType::BF16 && T > 0) {
+    JCG_CHECK_MAP(make_tma_token_rows(&lm.q, in.q.untyped_data(), T, H, K, true), "q");
+    JCG_CHECK_MAP(make_tma_token_rows(&lm.k, in.k.untyped_data(), T, H, K, true), "k");
+    JCG_CHECK_MAP(make_tma_token_rows(&lm.w, in.w.untyped_data(), T, HV, K, true), "w");
+    JCG_CHECK_MAP(make_tma_token_rows(&lm.dout, in.dout.untyped_data(), T, HV, V, true), "do");
+  }
   plan.ctas = slots * HV * (V / vt);
   plan.tiles = static_cast<int>(V / vt);
   plan.items = NC * HV;
@@ -89,7 +97,7 @@ ffi::Error plan_walk(const WalkBwdIn& in, const BF16* dS_end, F32 dh0, const BF1
                      in.chunks.len.typed_data(), in.segs.first.typed_data(),
                      in.segs.last.typed_data(), in.segs.len.typed_data(),
                      in.slots.typed_data(), dS_end_data, dS_end_map, dvn_data, dvn_map,
-                     dh0.typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
+                     dh0.typed_data(), lm, T, static_cast<int>(H), static_cast<int>(HV),
                      static_cast<int>(V), static_cast<int>(NC), static_cast<int>(S), in.scale,
                      handoff),
               "walk_bwd_wg_kernel");

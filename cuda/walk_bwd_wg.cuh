@@ -11,10 +11,11 @@
 // tile (its dS in K / 64 wgmma accumulators, its slabs Sb = bf16(dS), dOs, dOg, Dvn); Q, K, w
 // and Att slabs are shared.
 // The producer fills chunk c - 1's inputs into the other of two buffers while the compute warps
-// work on chunk c: w by cp.async straight into its slabs; G, rstd_q,
-// rstd_k by cp.async into its own rows; bf16 q, k, dO by cp.async as they are into their slabs
-// (f32: plain loads, 8 in flight a thread, rounded to bf16 on the way); then dOg = scale e^G rq
-// dO (each thread from the dO pieces it copied) and the compute warps' rows of the buffer (G,
+// work on chunk c: G, rstd_q, rstd_k by cp.async into its own rows; bf16 q, k, w, dO by TMA as
+// they are into their slabs (one thread issues the boxes, an mbarrier a buffer; rows past the
+// chunk's end zeroed after they land; f32: w by cp.async, q, k, dO by plain loads, 8 in flight
+// a thread, rounded to bf16 on the way); then dOg = scale e^G rq dO (each thread its own
+// pieces of the landed dO) and the compute warps' rows of the buffer (G,
 // padding rows G_C; rk; rq). q, k and dO enter the other products as they are and their
 // per-token factors go on accumulators (walk_output's way), so the
 // producer converts one 64 x VT tile a chunk. It waits for its copies, fences them
@@ -31,7 +32,8 @@
 // Barriers: 0 opens a chunk (all threads); 3 (compute warps) completes Att; 1 + wg (one
 // warpgroup) completes its Sb and Dvn; 4 (producer) its rows.
 // Shared memory (K = V = 128): per buffer Ws, Qs, Ks 16 KB each, dOs and dOg 2 x 8 KB each;
-// Att 8 KB, Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB; + 1 KB alignment: 219.25 KB, 1 CTA per SM.
+// Att 8 KB, Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB; 2 mbarriers; + 1 KB alignment: 219.27 KB,
+// 1 CTA per SM.
 // No staging: the size no longer depends on In.
 // Registers at VT = 128: the CTA (384 threads) launches at 168 a thread; the producer drops to
 // 56, the compute warpgroups rise to 224 (setmaxnreg; 2 x 224 + 56 = 504). VT = 64: 256 threads,
@@ -73,7 +75,8 @@ struct WalkBwdWgSmem {
   static constexpr int kRows = 3;
   static constexpr size_t oSG = oDvn + kWarpgroups * kSlab;
   static constexpr size_t oStG = oSG + 2 * kRows * kChunk * sizeof(float);  // producer: G, rq, rk
-  static constexpr size_t bytes = oStG + 3 * kChunk * sizeof(float) + 1024;  // + alignment
+  static constexpr size_t oBar = oStG + 3 * kChunk * sizeof(float);  // bf16: an mbarrier a buffer
+  static constexpr size_t bytes = oBar + 2 * sizeof(uint64_t) + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_bwd_wg: shared memory over the sm_90 limit");
 };
 
@@ -91,9 +94,9 @@ constexpr int walk_bwd_wg_threads() {
 
 // The producer's pieces of a 64 x D chunk tile of In (TilePieces over its 128 threads); put(t, c,
 // f, r) stores piece (t, columns c..c+7) from its values f[8] and r = row(t). bf16: the tile has
-// landed raw in the slabs at `landed` by this thread's own cp.async (rows >= len zero). f32: it
-// is loaded here, NB 16-byte loads in flight per batch, kept raw until stored (fewer live
-// registers), rows >= len zero.
+// landed raw in the slabs at `landed` (by TMA, rows >= len zeroed, before a producer barrier).
+// f32: it is loaded here, NB 16-byte loads in flight per batch, kept raw until stored (fewer
+// live registers), rows >= len zero.
 template <int D, int NB, typename In, typename Row, typename Put>
 __device__ __forceinline__ void walk_bwd_convert(unsigned char* landed, const In* src,
                                                  int64_t row_stride, int len, Row row, Put put) {
@@ -133,6 +136,12 @@ __device__ __forceinline__ void walk_bwd_convert(unsigned char* landed, const In
   }
 }
 
+// The producer's TMA loads (bf16 inputs): q, k [T, H, K], w [T, HV, K] and dO [T, HV, V], boxes
+// of 64 tokens x 64 columns of one head (make_tma_token_rows). Unused (zeros) for f32 inputs.
+struct WalkBwdLoadMaps {
+  CUtensorMap q, k, w, dout;
+};
+
 template <typename In, int K, int VT, bool kTwin>
 __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     walk_bwd_wg_kernel(const In* __restrict__ q, const In* __restrict__ k,
@@ -147,8 +156,9 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        const int32_t* __restrict__ seg_order, bf16* __restrict__ dS_end,
                        const __grid_constant__ CUtensorMap dS_end_map,
                        bf16* __restrict__ dvn, const __grid_constant__ CUtensorMap dvn_map,
-                       float* __restrict__ dh0, int64_t num_tokens, int H, int HV, int V, int NC,
-                       int num_segs, float scale, Handoff handoff) {
+                       float* __restrict__ dh0, const __grid_constant__ WalkBwdLoadMaps lm,
+                       int64_t num_tokens, int H, int HV, int V, int NC, int num_segs, float scale,
+                       Handoff handoff) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(VT == 64 || VT == 128, "one or two warpgroups");
   using Sm = WalkBwdWgSmem<K, VT>;
@@ -207,6 +217,18 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     float* stRq = stG + kChunk;
     float* stRk = stRq + kChunk;
     const int pt = static_cast<int>(threadIdx.x) - kCompute;
+    // bf16: q, k, w and dO come by TMA, one mbarrier a buffer; f32: w by cp.async, the rest
+    // through registers (walk_bwd_convert)
+    constexpr bool kTma = std::is_same_v<In, bf16>;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Sm::oBar);
+    if constexpr (kTma) {
+      if (pt == 0) {
+        mbar_init(bars, 1);
+        mbar_init(bars + 1, 1);
+        mbar_init_fence();
+      }
+      producer_sync();
+    }
     auto copy_chunk = [&](int c, int b) {
       const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
       const int len = cs.len;
@@ -217,24 +239,39 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       const int64_t qk_off = (cs.start * H + hk) * K;
       const int64_t o_off = (cs.start * HV + hv) * V + v0;
       const RowVector rows[3] = {{stG, G, HV, hv}, {stRq, rstd_q, H, hk}, {stRk, rstd_k, H, hk}};
+      unsigned char* Ws = buf(b) + Sm::bWs;
       cp_async_row_vectors<kLoaders>(rows, cs.start, len);
       cp_async_commit();
-      if constexpr (sizeof(In) == 2) {  // q, k, dO raw into their slabs (scaled there below)
-        cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(Qs), q + qk_off,
-                                                     int64_t{H} * K, len);
-        cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(Ks), k + qk_off,
-                                                     int64_t{H} * K, len);
-        cp_async_tile_at<kChunk, VT, kLoaders, 1>(slab_at<kChunk>(DOs), dout + o_off,
-                                                      int64_t{HV} * V, len);
+      if constexpr (kTma) {  // q, k, w, dO as they are into their slabs (dO scaled below)
+        uint64_t* bar = bars + b;
+        if (pt == 0) {
+          mbar_arrive_expect_tx(bar, (3 * K / 64 + VT / 64) * static_cast<uint32_t>(Sm::kSlab));
+          const int t0 = static_cast<int>(cs.start);
+#pragma unroll
+          for (int j = 0; j < K / 64; ++j) {
+            tma_load_3d(Qs + j * Sm::kSlab, &lm.q, 64 * j, hk, t0, bar);
+            tma_load_3d(Ks + j * Sm::kSlab, &lm.k, 64 * j, hk, t0, bar);
+            tma_load_3d(Ws + j * Sm::kSlab, &lm.w, 64 * j, hv, t0, bar);
+          }
+#pragma unroll
+          for (int j = 0; j < VT / 64; ++j)
+            tma_load_3d(DOs + j * Sm::kSlab, &lm.dout, v0 + 64 * j, hv, t0, bar);
+        }
+        cp_async_wait_all();                           // the rows
+        mbar_wait(bar, ((c_last - c) >> 1) & 1);       // buffer b's (c_last - c) / 2-th use
+        if (len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
+          zero_slab_rows<kLoaders>(Qs, K / 64, len, pt);
+          zero_slab_rows<kLoaders>(Ks, K / 64, len, pt);
+          zero_slab_rows<kLoaders>(Ws, K / 64, len, pt);
+          zero_slab_rows<kLoaders>(DOs, VT / 64, len, pt);
+        }
+      } else {  // w straight into its slabs
+        cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K,
+                                                 int64_t{HV} * K, len);
+        cp_async_commit();
+        cp_async_wait<1>();  // the rows
       }
-      cp_async_commit();
-      // w straight into its slabs
-      cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(buf(b) + Sm::bWs),
-                                                   w + (cs.start * HV + hv) * K,
-                                                   int64_t{HV} * K, len);
-      cp_async_commit();
-      cp_async_wait<1>();  // the rows (and raw q, k, dO)
-      producer_sync();     // every thread's rows
+      producer_sync();  // every thread's rows (bf16: and zeroed slab rows)
       auto rq = [&](int t) { return rstd_q != nullptr ? stRq[t] : 1.f; };
       auto rk = [&](int t) { return rstd_k != nullptr ? stRk[t] : 1.f; };
       if (pt < kChunk) {  // the compute warps' rows of buffer b (rows >= len: rstd 0, unused)
@@ -265,7 +302,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                                     sts8_bf16(slab_at<kChunk>(DOs)(t, c8), f, 1.f);
                                   sts8_bf16(slab_at<kChunk>(DOg)(t, c8), f, r);
                                 });
-      cp_async_wait_all();
+      if constexpr (!kTma) cp_async_wait_all();  // w
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
     };
     // chunk c while the compute warps work on chunk c + 1 (the first: before they start)
