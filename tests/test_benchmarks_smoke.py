@@ -480,7 +480,10 @@ def test_breakdown_runs_with_its_timeline(capsys):
     rows = breakdown.main(["--workload", "tiny", "--ops", "fwd", "--segments", "1", "--calls",
                            "1", "--backend", "xla", "--timeline"])
     assert [(r[0], r[1]) for r in rows] == [("fwd", 1)]
-    assert "last call (us)" in capsys.readouterr().out
+    out = capsys.readouterr()
+    assert "last call (us)" in out.out
+    # progress on stderr before each (op, P) compiles and before its profiled calls
+    assert "tiny fwd P=1: compiling" in out.err and "tiny fwd P=1: 1 profiled calls" in out.err
 
 
 def test_device_time_per_call_from_traces(tmp_path):

@@ -8,7 +8,7 @@ summed time, the total, and the share of the transfer kernels. P = 0 means gdn_k
 its planned P (under a one-device mesh). `--timeline` also lists the last call's device
 activities in start order (start and end from the first one's start, duration, the idle time
 before each or, negative, its overlap with the ones before it), to see what runs serially.
-Prints tables; no file is written.
+Prints tables (progress on stderr); no file is written.
 """
 
 from __future__ import annotations
@@ -17,7 +17,16 @@ import argparse
 import collections
 import re
 import statistics
+import sys
 import tempfile
+import time
+
+_T0 = time.perf_counter()
+
+
+def _log(msg: str) -> None:
+    """A progress line on stderr, with the seconds since the start."""
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _short(name: str) -> str:
@@ -109,8 +118,11 @@ def main(argv=None):
     rows = []
     for op in a.ops.split(","):
         for P_ in (int(x) for x in a.segments.split(",")):
+            label = f"{a.workload} {op} P={P_ or 'kcp planned'}"
+            _log(f"{label}: compiling and a first call")
             fn, xs = op_fn(P_, op)
             jax.block_until_ready(fn(*xs))
+            _log(f"{label}: {a.calls} profiled calls")
             with tempfile.TemporaryDirectory() as d:
                 with jax.profiler.trace(d):
                     for i in range(a.calls):
@@ -130,7 +142,7 @@ def main(argv=None):
             total = sum(med.values())
             xfer = sum(v for n, v in med.items() if "transfer" in n or "twin" in n)
             rows.append((op, P_, total, xfer, med))
-            print(f"{a.workload} {op} P={P_ or 'kcp planned'}: device {total:.3f} ms, "
+            print(f"{label}: device {total:.3f} ms, "
                   f"transfer + twin {xfer:.3f} ms", flush=True)
             for n, v in sorted(med.items(), key=lambda x: -x[1]):
                 print(f"    {n:28s} {v:8.3f}")
