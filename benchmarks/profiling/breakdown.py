@@ -17,16 +17,9 @@ import argparse
 import collections
 import re
 import statistics
-import sys
 import tempfile
-import time
 
-_T0 = time.perf_counter()
-
-
-def _log(msg: str) -> None:
-    """A progress line on stderr, with the seconds since the start."""
-    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+from benchmarks.run import log as _log  # progress lines on stderr, as the harness prints them
 
 
 def _short(name: str) -> str:
