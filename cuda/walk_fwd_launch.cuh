@@ -37,17 +37,6 @@ inline WalkFwdArgs<In, Out> walk_args(const ffi::AnyBuffer& k, const F32& G, con
   return a;
 }
 
-// A TMA map of a bf16 [T, heads, D] token array: 64 x 64 boxes (64 tokens of one head, 64 of
-// its D columns). Returns "" or why not.
-inline std::string token_map(CUtensorMap* m, const void* base, int64_t T, int64_t heads,
-                             int64_t D) {
-  const uint64_t dims[3] = {static_cast<uint64_t>(D), static_cast<uint64_t>(heads),
-                            static_cast<uint64_t>(T)};
-  const uint64_t strides[2] = {static_cast<uint64_t>(D) * 2, static_cast<uint64_t>(heads * D) * 2};
-  const uint32_t box[3] = {64, 1, kChunk};
-  return make_tma_bf16(m, base, 3, dims, strides, box);
-}
-
 // The tensor maps of walk mode M: the producer's TMA loads (bf16 inputs: k, and q, v, A or w, u
 // as the mode reads them) and the compute warps' TMA stores (o when bf16, the tapes), these only
 // when there is a chunk to store. A bf16[NC, HV, 64, 64] is mapped as [NC * HV * 64, 64]: one
@@ -56,25 +45,26 @@ template <WalkMode M, int K, typename In, typename Out>
 inline ffi::Error walk_maps(WalkFwdArgs<In, Out>& a) {
   const int64_t T = a.num_tokens, H = a.H, HV = a.HV, NC = a.NC, V = a.VG;
   if constexpr (std::is_same_v<In, bf16>) {
-    if constexpr (walk_outputs_o(M)) JCG_CHECK_MAP(token_map(&a.tm_q, a.q, T, H, K), "q");
-    JCG_CHECK_MAP(token_map(&a.tm_k, a.k, T, H, K), "k");
+    if constexpr (walk_outputs_o(M))
+      JCG_CHECK_MAP(make_tma_token_rows(&a.tm_q, a.q, T, H, K, true), "q");
+    JCG_CHECK_MAP(make_tma_token_rows(&a.tm_k, a.k, T, H, K, true), "k");
     if constexpr (M == WalkMode::kTapes) {
-      JCG_CHECK_MAP(token_map(&a.tm_w, a.w, T, HV, K), "w");
-      JCG_CHECK_MAP(token_map(&a.tm_u, a.u, T, HV, V), "u");
+      JCG_CHECK_MAP(make_tma_token_rows(&a.tm_w, a.w, T, HV, K, true), "w");
+      JCG_CHECK_MAP(make_tma_token_rows(&a.tm_u, a.u, T, HV, V, true), "u");
     } else {
-      JCG_CHECK_MAP(token_map(&a.tm_v, a.v, T, HV, V), "v");
+      JCG_CHECK_MAP(make_tma_token_rows(&a.tm_v, a.v, T, HV, V, true), "v");
       JCG_CHECK_MAP(make_tma_rows_bf16(&a.tm_A, a.A, NC * HV * kChunk, kChunk, kChunk), "A");
     }
   }
   if (NC * HV > 0 && T > 0) {
     if constexpr (walk_outputs_o(M) && std::is_same_v<Out, bf16>)
-      JCG_CHECK_MAP(token_map(&a.tm_o, a.o, T, HV, V), "o");
+      JCG_CHECK_MAP(make_tma_token_rows(&a.tm_o, a.o, T, HV, V, true), "o");
     if constexpr (M == WalkMode::kReplay || M == WalkMode::kOutTapes) {
       JCG_CHECK_MAP(make_tma_state_rows_bf16(&a.tm_h, a.h, NC, HV, K, V), "h");
-      JCG_CHECK_MAP(token_map(&a.tm_wout, a.w_out, T, HV, K), "w");
+      JCG_CHECK_MAP(make_tma_token_rows(&a.tm_wout, a.w_out, T, HV, K, true), "w");
     }
     if constexpr (M == WalkMode::kOutTapes)
-      JCG_CHECK_MAP(token_map(&a.tm_vnew, a.v_new, T, HV, V), "v_new");
+      JCG_CHECK_MAP(make_tma_token_rows(&a.tm_vnew, a.v_new, T, HV, V, true), "v_new");
   }
   return ffi::Error::Success();
 }
