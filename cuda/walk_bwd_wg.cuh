@@ -11,14 +11,14 @@
 // tile (its dS in K / 64 wgmma accumulators, its slabs Sb = bf16(dS), dOs, dOg, Dvn); Q, K, w
 // and Att slabs are shared.
 // The producer fills chunk c - 1's inputs into the other of two buffers while the compute warps
-// work on chunk c: G, rstd_q, rstd_k by cp.async into its own rows; bf16 q, k, w, dO by TMA as
-// they are into their slabs (one thread issues the boxes, an mbarrier a buffer; rows past the
-// chunk's end zeroed after they land; f32: w by cp.async, q, k, dO by plain loads, 8 in flight
-// a thread, rounded to bf16 on the way); then dOg = scale e^G rq dO (each thread its own
-// pieces of the landed dO) and the compute warps' rows of the buffer (G,
-// padding rows G_C; rk; rq). q, k and dO enter the other products as they are and their
-// per-token factors go on accumulators (walk_output's way), so the
-// producer converts one 64 x VT tile a chunk. It waits for its copies, fences them
+// work on chunk c: G, rstd_q, rstd_k by cp.async into its own rows; bf16 dO, then q, k, w by
+// TMA as they are into their slabs (one thread issues the boxes; dO on one mbarrier a buffer, q,
+// k, w on another, waited for after dOg is made; rows past the chunk's end zeroed after they
+// land; f32: w by cp.async, q, k, dO by plain loads, 8 in flight a thread, rounded to bf16 on
+// the way); then dOg = scale e^G rq dO (each thread its own pieces of the landed dO) and the
+// compute warps' rows of the buffer (G, padding rows G_C; rk; rq). q, k and dO enter the other
+// products as they are and their per-token factors go on accumulators (walk_output's way), so
+// the producer converts one 64 x VT tile a chunk. It waits for its copies, fences them
 // (fence.proxy.async) and arrives at the barrier that opens the chunk; the compute warps issue
 // no copies. Per chunk, the compute warps:
 //   top: Sb = bf16(dS) (and dS_end[c] from it, a TMA store)
@@ -32,7 +32,7 @@
 // Barriers: 0 opens a chunk (all threads); 3 (compute warps) completes Att; 1 + wg (one
 // warpgroup) completes its Sb and Dvn; 4 (producer) its rows.
 // Shared memory (K = V = 128): per buffer Ws, Qs, Ks 16 KB each, dOs and dOg 2 x 8 KB each;
-// Att 8 KB, Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB; 2 mbarriers; + 1 KB alignment: 219.27 KB,
+// Att 8 KB, Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB; 4 mbarriers; + 1 KB alignment: 219.28 KB,
 // 1 CTA per SM.
 // No staging: the size no longer depends on In.
 // Registers at VT = 128: the CTA (384 threads) launches at 168 a thread; the producer drops to
@@ -75,8 +75,9 @@ struct WalkBwdWgSmem {
   static constexpr int kRows = 3;
   static constexpr size_t oSG = oDvn + kWarpgroups * kSlab;
   static constexpr size_t oStG = oSG + 2 * kRows * kChunk * sizeof(float);  // producer: G, rq, rk
-  static constexpr size_t oBar = oStG + 3 * kChunk * sizeof(float);  // bf16: an mbarrier a buffer
-  static constexpr size_t bytes = oBar + 2 * sizeof(uint64_t) + 1024;  // + alignment
+  // bf16: mbarriers, dO's one a buffer, then q, k and w's one a buffer
+  static constexpr size_t oBar = oStG + 3 * kChunk * sizeof(float);
+  static constexpr size_t bytes = oBar + 4 * sizeof(uint64_t) + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_bwd_wg: shared memory over the sm_90 limit");
 };
 
@@ -217,14 +218,15 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     float* stRq = stG + kChunk;
     float* stRk = stRq + kChunk;
     const int pt = static_cast<int>(threadIdx.x) - kCompute;
-    // bf16: q, k, w and dO come by TMA, one mbarrier a buffer; f32: w by cp.async, the rest
-    // through registers (walk_bwd_convert)
+    // bf16: dO, then q, k and w come by TMA, each on an mbarrier a buffer (bars[b], bars[2 +
+    // b]): the producer reads only dO, so it waits for the rest once dOg is made; f32: w by
+    // cp.async, the rest through registers (walk_bwd_convert)
     constexpr bool kTma = std::is_same_v<In, bf16>;
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + Sm::oBar);
     if constexpr (kTma) {
       if (pt == 0) {
-        mbar_init(bars, 1);
-        mbar_init(bars + 1, 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) mbar_init(bars + i, 1);
         mbar_init_fence();
       }
       producer_sync();
@@ -242,29 +244,25 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       unsigned char* Ws = buf(b) + Sm::bWs;
       cp_async_row_vectors<kLoaders>(rows, cs.start, len);
       cp_async_commit();
-      if constexpr (kTma) {  // q, k, w, dO as they are into their slabs (dO scaled below)
-        uint64_t* bar = bars + b;
+      if constexpr (kTma) {  // dO, q, k, w as they are into their slabs (dO scaled below)
         if (pt == 0) {
-          mbar_arrive_expect_tx(bar, (3 * K / 64 + VT / 64) * static_cast<uint32_t>(Sm::kSlab));
+          mbar_arrive_expect_tx(bars + b, VT / 64 * static_cast<uint32_t>(Sm::kSlab));
+          mbar_arrive_expect_tx(bars + 2 + b, 3 * K / 64 * static_cast<uint32_t>(Sm::kSlab));
           const int t0 = static_cast<int>(cs.start);
 #pragma unroll
-          for (int j = 0; j < K / 64; ++j) {
-            tma_load_3d(Qs + j * Sm::kSlab, &lm.q, 64 * j, hk, t0, bar);
-            tma_load_3d(Ks + j * Sm::kSlab, &lm.k, 64 * j, hk, t0, bar);
-            tma_load_3d(Ws + j * Sm::kSlab, &lm.w, 64 * j, hv, t0, bar);
-          }
-#pragma unroll
           for (int j = 0; j < VT / 64; ++j)
-            tma_load_3d(DOs + j * Sm::kSlab, &lm.dout, v0 + 64 * j, hv, t0, bar);
+            tma_load_3d(DOs + j * Sm::kSlab, &lm.dout, v0 + 64 * j, hv, t0, bars + b);
+#pragma unroll
+          for (int j = 0; j < K / 64; ++j) {
+            tma_load_3d(Qs + j * Sm::kSlab, &lm.q, 64 * j, hk, t0, bars + 2 + b);
+            tma_load_3d(Ks + j * Sm::kSlab, &lm.k, 64 * j, hk, t0, bars + 2 + b);
+            tma_load_3d(Ws + j * Sm::kSlab, &lm.w, 64 * j, hv, t0, bars + 2 + b);
+          }
         }
         cp_async_wait_all();                           // the rows
-        mbar_wait(bar, ((c_last - c) >> 1) & 1);       // buffer b's (c_last - c) / 2-th use
-        if (len < kChunk) {  // rows past the chunk's end: zero, as cp.async leaves them
-          zero_slab_rows<kLoaders>(Qs, K / 64, len, pt);
-          zero_slab_rows<kLoaders>(Ks, K / 64, len, pt);
-          zero_slab_rows<kLoaders>(Ws, K / 64, len, pt);
-          zero_slab_rows<kLoaders>(DOs, VT / 64, len, pt);
-        }
+        mbar_wait(bars + b, ((c_last - c) >> 1) & 1);  // dO: buffer b's (c_last - c) / 2-th use
+        // rows past the chunk's end: zero, as cp.async leaves them
+        if (len < kChunk) zero_slab_rows<kLoaders>(DOs, VT / 64, len, pt);
       } else {  // w straight into its slabs
         cp_async_tile_at<kChunk, K, kLoaders, 1>(slab_at<kChunk>(Ws), w + (cs.start * HV + hv) * K,
                                                  int64_t{HV} * K, len);
@@ -302,7 +300,16 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                                     sts8_bf16(slab_at<kChunk>(DOs)(t, c8), f, 1.f);
                                   sts8_bf16(slab_at<kChunk>(DOg)(t, c8), f, r);
                                 });
-      if constexpr (!kTma) cp_async_wait_all();  // w
+      if constexpr (kTma) {  // q, k, w
+        mbar_wait(bars + 2 + b, ((c_last - c) >> 1) & 1);
+        if (len < kChunk) {
+          zero_slab_rows<kLoaders>(Qs, K / 64, len, pt);
+          zero_slab_rows<kLoaders>(Ks, K / 64, len, pt);
+          zero_slab_rows<kLoaders>(Ws, K / 64, len, pt);
+        }
+      } else {
+        cp_async_wait_all();  // w
+      }
       fence_proxy_async();  // for the compute warps' wgmma (async proxy) reads
     };
     // chunk c while the compute warps work on chunk c + 1 (the first: before they start)
