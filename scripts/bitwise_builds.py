@@ -50,8 +50,8 @@ def dump(path):
                        output_final_state=True, save_mode=mode, deterministic=True,
                        backend="cuda")
 
-        res = {"o": None, "final": None}
-        res["o"], res["final"] = jax.jit(lambda *a: op(*a, "light"))(q, k, v, g, beta, h0)
+        o, fin = jax.jit(lambda *a: op(*a, "light"))(q, k, v, g, beta, h0)
+        res = {"o": o, "final": fin}
         for mode in ("light", "full"):
             def loss(*a, mode=mode):
                 o, fin = op(*a, mode)
@@ -64,6 +64,7 @@ def dump(path):
         for key, x in res.items():
             x = np.asarray(x)  # raw bits: unsigned ints of the element's width
             out[f"{name}.{key}"] = x.view(f"u{x.dtype.itemsize}")
+        print(f"[{i + 1}/{len(CONFIGS)}] {name}: {len(res)} arrays", flush=True)
     np.savez(path, **out)
     print(f"wrote {len(out)} arrays to {path}")
 
