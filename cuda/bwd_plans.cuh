@@ -11,7 +11,7 @@
 namespace jax_cake_gdn {
 
 struct KernelPlan {
-  // poison the outputs (and zero chunk_bwd's atomic group sums)
+  // poison the outputs (and zero chunk_bwd's atomic group sums and epilogue counts)
   std::function<ffi::Error(cudaStream_t)> prepare;
   std::function<ffi::Error(cudaStream_t, Handoff)> launch;  // Handoff{}: the kernel alone
   int64_t ctas = 0;   // CTAs of the launch
@@ -44,17 +44,19 @@ struct ChunkBwdIn {
   float scale;
 };
 
+// dq, dk [T, H, K] in q's dtype; dQ, dK f32[T, HQ, K] (scratch: per value head, or HQ = H the
+// group sums); counts int32[NC H] (scratch: the epilogue's, chunk_bwd.cu).
 struct ChunkBwdOut {
-  F32 dQ, dK;
-  ffi::AnyBuffer dV;
-  F32 dg, dbeta;
+  ffi::AnyBuffer dq, dk, dV;
+  F32 dg, dbeta, dQ, dK;
+  S32 counts;
 };
 
 // The plan of jax_cake_gdn_walk_bwd: the reverse walk storing dS_end, dh0 and dvn.
 ffi::Error plan_walk_bwd(const WalkBwdIn& in, BF16 dS_end, F32 dh0, BF16 dvn, KernelPlan& plan);
 
 // The plan of jax_cake_gdn_chunk_bwd (with a hand-off buffer: by programmatic dependent launch,
-// unless JAX_CAKE_GDN_PDL=0).
+// unless JAX_CAKE_GDN_PDL=0), its dq, dk epilogue included.
 ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPlan& plan);
 
 }  // namespace jax_cake_gdn

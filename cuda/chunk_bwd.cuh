@@ -36,6 +36,10 @@
 // Per-row reductions (dG, dbeta, dG_C) go through per-tile partial arrays in shared memory and
 // are summed in a fixed order: the kernel is deterministic (no atomics) unless sum_groups asks it
 // to add dQ, dK over the GVA group itself (f32 atomic adds in the order the CTAs reach them).
+// With counts (dQ, dK per key head: sum_groups, or H = HV), the last CTA of each (chunk, key head)
+// group to finish its rows (an acq_rel count) reads the group's f32 rows back from L2, applies
+// the L2-norm backward (l2norm.cuh, the l2norm_bwd kernel's row code) and writes dq, dk in q's
+// dtype, so no kernel runs after this one for them.
 //
 // Where a stage's result is 64 x 128, each warpgroup's two blocks thus go out as one m64n64 chain
 // (half the A-operand reads from shared memory of two m64n32 chains), and a stage's chains go out
@@ -70,6 +74,7 @@
 
 #include "device_common.cuh"
 #include "handoff.cuh"
+#include "l2norm.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -425,8 +430,11 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                      float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
-                     float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
-                     int HV, bool sum_groups, float scale, Handoff handoff) {
+                     float* __restrict__ dg, float* __restrict__ dbeta,
+                     In* __restrict__ dq_out, In* __restrict__ dk_out,  // the epilogue's
+                     int32_t* __restrict__ counts,  // nullable: no epilogue
+                     int64_t num_tokens, int H, int HV, bool sum_groups, float scale,
+                     Handoff handoff) {
   using Sm = ChunkBwdSmem<In, K, V>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
@@ -988,7 +996,48 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     if (i0 < len) dg[(cs.start + i0) * HV + hv] = r1 + x0;
     if (i0 + 1 < len) dg[(cs.start + i0 + 1) * HV + hv] = r1;
   }
-  if (full && tid == 0) tma_store_wait();
+  if (counts == nullptr) {
+    if (full && tid == 0) tma_store_wait();
+    return;
+  }
+  // The epilogue (dQ, dK per key head: summed over the group, or H = HV): this CTA's rows of dQ,
+  // dK complete (bulk ones by its thread 0's wait, its threads' own by their fences) before it
+  // counts itself in its (chunk, key head) group; the group's last CTA to count reads the
+  // group's f32 rows and writes dq, dk (the L2-norm backward with rstd, in q's dtype).
+  if (full && tid == 0) bulk_stores_complete_but<0>();
+  __threadfence();
+  __syncthreads();
+  int* last = reinterpret_cast<int*>(sRed + kCbWarps + 1);
+  if (tid == 0) *last = atom_add_acq_rel_gpu(counts + c * H + hk, 1) == HV / H - 1;
+  __syncthreads();
+  if (!*last) return;
+  // warp w takes rows w + 8 j, dQ's then dK's, each time every row's loads before any row's
+  // arithmetic (one round trip to L2 a tensor)
+  constexpr int kRowsW = kChunk / kCbWarps, E = K / 32;
+#pragma unroll 1
+  for (int x = 0; x < 2; ++x) {
+    const float* sum = x == 0 ? dQ : dK;
+    const In* src = x == 0 ? q : k;
+    const float* rstd = x == 0 ? rstd_q : rstd_k;
+    float d[kRowsW][E], xv[kRowsW][E], r[kRowsW];
+#pragma unroll
+    for (int j = 0; j < kRowsW; ++j) {
+      const int64_t row = (cs.start + min(warp + kCbWarps * j, len - 1)) * H + hk;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        d[j][e] = __ldcg(sum + row * K + lane + 32 * e);
+        xv[j][e] = rstd != nullptr ? static_cast<float>(src[row * K + lane + 32 * e]) : 0.f;
+      }
+      r[j] = rstd != nullptr ? rstd[row] : 1.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kRowsW; ++j) {
+      const int i = warp + kCbWarps * j;  // warp-uniform
+      if (i < len)
+        l2norm_bwd_row<In, K>(d[j], xv[j], rstd != nullptr, r[j],
+                              (x == 0 ? dq_out : dk_out) + ((cs.start + i) * H + hk) * K + lane);
+    }
+  }
 }
 
 }  // namespace jax_cake_gdn

@@ -6,8 +6,8 @@
 //          dx = rstd (d - (d . y) y) with y = x rstd  (no L2 norm: dx = d)
 //
 // f32 sums in a fixed order (per-lane partial sums, then a butterfly), so it is deterministic;
-// one warp per row, K in {64, 128}.
-#include "handler.cuh"
+// one warp per row, K in {64, 128} (l2norm.cuh: the row's code, which chunk_bwd's epilogue shares).
+#include "l2norm.cuh"
 
 namespace jax_cake_gdn {
 namespace {
@@ -34,30 +34,27 @@ __global__ void __launch_bounds__(kL2Threads)
 #pragma unroll
     for (int i = 0; i < E; ++i) d[i] += src[int64_t{j} * K + 32 * i];
   }
-  In* out = dx + row * K + lane;
-  if (rstd != nullptr) {
-    const float r = rstd[row];
-    const In* xr = x + row * K + lane;
-    float y[E], s = 0.f;
+  float xf[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      y[i] = static_cast<float>(xr[32 * i]) * r;
-      s = fmaf(d[i], y[i], s);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-#pragma unroll
-    for (int i = 0; i < E; ++i) d[i] = r * (d[i] - s * y[i]);
-  }
-#pragma unroll
-  for (int i = 0; i < E; ++i) out[32 * i] = static_cast<In>(d[i]);
+  for (int i = 0; i < E; ++i)
+    xf[i] = rstd != nullptr ? static_cast<float>(x[row * K + lane + 32 * i]) : 0.f;
+  l2norm_bwd_row<In, K>(d, xf, rstd != nullptr, rstd != nullptr ? rstd[row] : 1.f,
+                        dx + row * K + lane);
 }
 
 ffi::Error l2norm_bwd(cudaStream_t stream, F32 dy, ffi::AnyBuffer x, F32 rstd,
                       Ret<ffi::AnyBuffer> dx) {
   JCG_CHECK_CUDA(poison(stream, *dx));
+  return launch_l2norm_bwd(stream, dy.typed_data(), dy.dimensions()[1], x, optional_data(rstd),
+                           *dx);
+}
+
+}  // namespace
+
+ffi::Error launch_l2norm_bwd(cudaStream_t stream, const float* dy, int64_t HV,
+                             const ffi::AnyBuffer& x, const float* rstd, ffi::AnyBuffer& dx) {
   const auto xd = x.dimensions();
-  const int64_t T = xd[0], H = xd[1], K = xd[2], HV = dy.dimensions()[1];
+  const int64_t T = xd[0], H = xd[1], K = xd[2];
   const int64_t rows = T * H;
   if (rows == 0) return ffi::Error::Success();
   return dispatch(
@@ -65,14 +62,13 @@ ffi::Error l2norm_bwd(cudaStream_t stream, F32 dy, ffi::AnyBuffer x, F32 rstd,
         using In = typename decltype(in)::type;
         constexpr int KD = decltype(kd)::value;
         l2norm_bwd_kernel<In, KD><<<ceil_div(rows, kL2Threads / 32), kL2Threads, 0, stream>>>(
-            dy.typed_data(), data<In>(x), optional_data(rstd), data<In>(*dx), rows,
+            dy, static_cast<const In*>(x.untyped_data()), rstd, data<In>(dx), rows,
             static_cast<int>(H), static_cast<int>(HV / H));
         return cuda_status(cudaGetLastError(), "l2norm_bwd_kernel");
       },
       FloatType{x.element_type()}, HeadDim{K});
 }
 
-}  // namespace
 }  // namespace jax_cake_gdn
 
 JCG_FFI_HANDLER(l2norm_bwd, jax_cake_gdn::l2norm_bwd)

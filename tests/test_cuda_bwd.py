@@ -19,7 +19,8 @@ dS_end and dvn rounded to bf16; every gradient within relative RMS 1e-2 of xla o
 and of xla on the same bf16-rounded values cast back to f32; every token row finite, also under
 poison); and gdn gradients on the cuda backend (both kernels) against the float64 reference
 (<= 1e-2), light and full bitwise equal; the dq / dk epilogue (l2norm_bwd: GVA group sum and
-L2-norm backward) against a float64 numpy version; deterministic=True gradients bitwise equal over
+L2-norm backward; chunk_bwd runs it itself, or in its last CTA of each group) against a float64
+numpy version; deterministic=True gradients bitwise equal over
 10 runs, with the device memory they reuse first filled with NaN; walk_chunk_bwd (both kernels in
 one call, chunk_bwd waiting for the items the walk publishes: gdn's backward) bitwise equal to the
 two calls, with the segments in either order, and finite under poison.
@@ -219,18 +220,17 @@ def test_lower_chunk_bwd_for_cuda(dims, l2, deterministic):
     assert (f"tensor<9x6x64x64xbf16>, tensor<9x6x{K}x{V}xbf16>, tensor<300x6x{V}xbf16>, "
             f"tensor<9x6x{K}x{V}xbf16>, tensor<9x6x64x{V}xbf16>, tensor<300x6x{V}xbf16>") in call, \
         call
-    # dQ, dK (f32) per value head, or per q/k head when the kernel sums the groups
-    # (deterministic=False); dV in v's dtype, dg, dbeta
+    # dq, dk in q's dtype (the L2-norm backward applied in the same call), dV in v's dtype, dg,
+    # dbeta; then the scratch: dQ, dK (f32) per value head, or per q/k head when the kernel sums
+    # the groups (deterministic=False), and the epilogue's counts int32[NC H]
     hq = 6 if deterministic else 2
-    assert (f"tensor<300x{hq}x{K}xf32>, tensor<300x{hq}x{K}xf32>, tensor<300x6x{V}xbf16>, "
-            "tensor<300x6xf32>, tensor<300x6xf32>") in call, call
+    assert (f"-> (tensor<300x2x{K}xbf16>, tensor<300x2x{K}xbf16>, tensor<300x6x{V}xbf16>, "
+            f"tensor<300x6xf32>, tensor<300x6xf32>, tensor<300x{hq}x{K}xf32>, "
+            f"tensor<300x{hq}x{K}xf32>, tensor<18xi32>)") in call, call
     assert ("tensor<1xf32>" in call) == (not l2)  # absent: f32[1]
     assert "stablehlo.while" not in hlo
-    # the dq / dk epilogue (GVA group sum, L2-norm backward) is the l2norm_bwd kernel, twice
-    epi = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_l2norm_bwd" in ln]
-    assert len(epi) == 2, hlo
-    assert all(f"-> tensor<300x2x{K}xbf16>" in ln for ln in epi), epi
-    assert all(f"(tensor<300x{hq}x{K}xf32>" in ln for ln in epi), epi
+    # the dq / dk epilogue (GVA group sum, L2-norm backward) is inside the call
+    assert "custom_call @jax_cake_gdn_l2norm_bwd" not in hlo
     assert "stablehlo.reduce" not in hlo
 
 
@@ -253,9 +253,10 @@ def test_lower_walk_chunk_bwd_for_cuda(deterministic):
     assert len(calls) == 1, hlo
     hq = 6 if deterministic else 2
     assert ("-> (tensor<9x6x128x128xbf16>, tensor<5x6x128x128xf32>, tensor<9x6x64x128xbf16>, "
-            f"tensor<300x{hq}x128xf32>, tensor<300x{hq}x128xf32>, tensor<300x6x128xbf16>, "
-            f"tensor<300x6xf32>, tensor<300x6xf32>, tensor<{1 + 9 * 6}xi32>)") in calls[0]
-    assert len(re.findall(r"custom_call @jax_cake_gdn_l2norm_bwd", hlo)) == 2
+            "tensor<300x2x128xbf16>, tensor<300x2x128xbf16>, tensor<300x6x128xbf16>, "
+            f"tensor<300x6xf32>, tensor<300x6xf32>, tensor<300x{hq}x128xf32>, "
+            f"tensor<300x{hq}x128xf32>, tensor<18xi32>, tensor<{1 + 9 * 6}xi32>)") in calls[0]
+    assert "custom_call @jax_cake_gdn_l2norm_bwd" not in hlo
     zeros = lambda x: jnp.zeros(x.shape, x.dtype)
     a = [zeros(x) for x in args]
     bad = {5: jnp.zeros((300, 5), jnp.float32),  # G
@@ -334,15 +335,16 @@ def test_checkpoint_recomputes_only_what_the_backward_keeps(save_mode):
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_gdn_deterministic_picks_the_group_sum(deterministic):
     """gdn(deterministic=...) reaches the walk_chunk_bwd custom call: True gives per-value-head
-    f32 dq, dk (fixed-order group sum in l2norm_bwd), False the kernel's own atomic sum into [T,
-    H, K]."""
+    f32 dq, dk scratch (fixed-order group sum in l2norm_bwd), False the kernel's own atomic sum
+    into [T, H, K]."""
     need_ext()
     T, H, HV, K = 300, 2, 6, 128
     hlo = _lower_cuda(_grad_fn("cuda", "light", deterministic), *_abstract_gdn(T, H, HV, K))
     calls = [ln for ln in hlo.splitlines() if "custom_call @jax_cake_gdn_walk_chunk_bwd" in ln]
     assert len(calls) == 1, hlo
     hq = HV if deterministic else H
-    assert f"xbf16>, tensor<{T}x{hq}x{K}xf32>, tensor<{T}x{hq}x{K}xf32>, " in calls[0], calls[0]
+    assert f"xf32>, tensor<{T}x{hq}x{K}xf32>, tensor<{T}x{hq}x{K}xf32>, tensor<" in calls[0], \
+        calls[0]
 
 
 @pytest.mark.parametrize("save_mode", ["light", "full"])
@@ -533,6 +535,8 @@ CONFIGS = [
     ("gva2x6-f32-l2-k64v64", 2, 6, 64, 64, jnp.float32, True),
     ("gva1x4-bf16-k128v64-nol2", 1, 4, 128, 64, jnp.bfloat16, False),
     ("gva2x6-f32-k64v128-l2", 2, 6, 64, 128, jnp.float32, True),
+    # no GVA: chunk_bwd's dq, dk epilogue in groups of one CTA, deterministic either way
+    ("mha4x4-bf16-l2", 4, 4, 128, 128, jnp.bfloat16, True),
 ]
 
 
@@ -689,9 +693,9 @@ _POISON_CHECK = textwrap.dedent("""
         for key in ("cuda", "cuda_rev"):
             for a in out[key]:  # dS_end (bf16), dh0, dvn (bf16)
                 assert np.isfinite(np.asarray(a, np.float32)).all(), (name, key)
-        # chunk_bwd: every token row of dq, dk, dv, dg, dbeta written (unused chunks write none);
-        # cuda_sum's dq, dk start from zeros the kernel adds into, so for them this checks only
-        # that nothing non-finite is added (their rows are the per-head path's, checked in "cuda")
+        # chunk_bwd: every token row of dq, dk, dv, dg, dbeta written (unused chunks write none;
+        # cuda_sum's dq, dk by the last CTA of each (chunk, key head) group, after the group's
+        # adds into zeroed f32 scratch)
         pairs = chunk_bwd_pairs(inp, l2)
         for key in ("cuda", "cuda_sum"):
             for i, a in enumerate(pairs[key]):

@@ -712,11 +712,13 @@ def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, ct)
     return q, k, v, beta, G, A, h, v_new, do, rq, rk, (cs, cl)
 
 
-def _chunk_bwd_results(T, H, HV, K, V, v_dtype, deterministic):  # dQ, dK, dv, dg, dbeta
+def _chunk_bwd_results(T, NC, H, HV, K, V, q_dtype, deterministic):
+    """chunk_bwd's FFI results: dq, dk, dv, dg, dbeta, then its scratch (dQ, dK f32[T, HQ, K],
+    the epilogue's counts int32[NC H])."""
     f32 = jnp.float32
     HQ = HV if deterministic else H  # the kernel sums the groups when HQ = H < HV
-    return [((T, HQ, K), f32), ((T, HQ, K), f32), ((T, HV, V), v_dtype), ((T, HV), f32),
-            ((T, HV), f32)]
+    return [((T, H, K), q_dtype), ((T, H, K), q_dtype), ((T, HV, V), q_dtype), ((T, HV), f32),
+            ((T, HV), f32), ((T, HQ, K), f32), ((T, HQ, K), f32), ((NC * H,), jnp.int32)]
 
 
 def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd_q, rstd_k, ct,
@@ -733,12 +735,13 @@ def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd
     None. h, v_new, dS_end and dvn enter every product as bf16 operands and e^{G_C}
     sum(dS_end o h) (dg) sums their bf16 values in f32.
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
-    The kernel gives dq, dk w.r.t. the normalised q, k and `l2norm_bwd` (a second kernel) applies
-    the L2-norm backward. deterministic=True: the kernel writes them per value head (f32[T, HV,
-    K]) and `l2norm_bwd` sums each GVA group in a fixed order. deterministic=False with H < HV:
-    the kernel adds the value heads of a group into f32[T, H, K] itself (atomic adds in the order
-    the CTAs reach them: dq, dk can differ in the last bits from run to run; an f32 hand-off H/HV
-    the size).
+    The kernel makes dq, dk w.r.t. the normalised q, k in f32 scratch and the L2-norm backward
+    follows. deterministic=False with H < HV: the kernel adds the value heads of a group into
+    f32[T, H, K] itself (atomic adds in the order the CTAs reach them: dq, dk can differ in the last
+    bits from run to run) and the last CTA of each (chunk, key head) group applies the L2-norm
+    backward to the group's rows; H = HV: the same, deterministic. deterministic=True with H < HV:
+    the kernel writes them per value head (f32[T, HV, K]) and the l2norm_bwd kernel (the same
+    call) sums each GVA group in a fixed order.
     """
     del w, u, scores
     fn = "chunk_bwd"
@@ -747,10 +750,11 @@ def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd
     (T, H, K), (HV, V), NC = q.shape, v.shape[1:], tab[0].shape[0]
     dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
     dvn = _bf16(fn, "dvn", dvn, (NC, HV, _CHUNK, V), "as the cuda walk_bwd returns it")
-    dQ, dK, dv, dg, dbeta = _call(
-        fn, _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic),
-        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, *tab, scale=np.float32(scale))
-    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
+    dq, dk, dv, dg, dbeta = _call(
+        fn, _chunk_bwd_results(T, NC, H, HV, K, V, q.dtype, deterministic),
+        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, *tab,
+        scale=np.float32(scale))[:5]
+    return dq, dk, dv, dg, dbeta
 
 
 def walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do, dfinal, rstd_q, rstd_k, ct, *,
@@ -771,12 +775,12 @@ def walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do, dfinal, rstd_q, rstd
                                                          rstd_k, ct)
     (T, H, K), (HV, V), NC, S = q.shape, v.shape[1:], tab[0].shape[0], dfinal.shape[0]
     results = (_walk_bwd_results(NC, S, HV, K, V)
-               + _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic)
+               + _chunk_bwd_results(T, NC, H, HV, K, V, q.dtype, deterministic)
                + [((1 + NC * HV,), jnp.int32)])  # the hand-off (scratch)
-    _, dh0, _, dQ, dK, dv, dg, dbeta, _ = _call(
+    _, dh0, _, dq, dk, dv, dg, dbeta = _call(
         fn, results, q, k, v, beta, w, G, A, h, v_new, do, dfinal, rq, rk, *tab,
-        scale=np.float32(scale))
-    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta, dh0
+        scale=np.float32(scale))[:8]
+    return dq, dk, dv, dg, dbeta, dh0
 
 
 # ------------------------------------------------------------------------------------------------
