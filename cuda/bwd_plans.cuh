@@ -52,11 +52,16 @@ struct ChunkBwdOut {
   S32 counts;
 };
 
-// The plan of jax_cake_gdn_walk_bwd: the reverse walk storing dS_end, dh0 and dvn.
-ffi::Error plan_walk_bwd(const WalkBwdIn& in, BF16 dS_end, F32 dh0, BF16 dvn, KernelPlan& plan);
+// The plan of jax_cake_gdn_walk_bwd: the reverse walk storing dS_end, dh0 and dvn; with
+// dq_sums, dk_sums (chunk_bwd's f32 group sums [T, H, K]; walk_chunk_bwd) and a hand-off it also
+// zeroes those a chunk at a time before it publishes the chunk (walk_bwd_wg.cuh: WalkBwdZero).
+ffi::Error plan_walk_bwd(const WalkBwdIn& in, BF16 dS_end, F32 dh0, BF16 dvn, KernelPlan& plan,
+                         float* dq_sums = nullptr, float* dk_sums = nullptr);
 
 // The plan of jax_cake_gdn_chunk_bwd (with a hand-off buffer: by programmatic dependent launch,
-// unless JAX_CAKE_GDN_PDL=0), its dq, dk epilogue included.
-ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPlan& plan);
+// unless JAX_CAKE_GDN_PDL=0), its dq, dk epilogue included. sums_by_walk: the walk launched
+// before it zeroes the group sums (its prepare does not).
+ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPlan& plan,
+                          bool sums_by_walk = false);
 
 }  // namespace jax_cake_gdn

@@ -23,7 +23,8 @@
 
 namespace jax_cake_gdn {
 
-ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPlan& plan) {
+ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPlan& plan,
+                          bool sums_by_walk) {
   const auto qd = in.q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
   const int64_t HV = in.v.dimensions()[1], V = in.v.dimensions()[2], NC = in.chunks.count();
@@ -53,9 +54,12 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
   plan.items = NC * HV;
   plan.prepare = [=](cudaStream_t stream) {
     ChunkBwdOut o = out;
-    if (sum_groups) {  // the kernel adds every value head's rows into them
-      JCG_CHECK_CUDA(cudaMemsetAsync(o.dQ.untyped_data(), 0, o.dQ.size_bytes(), stream));
-      JCG_CHECK_CUDA(cudaMemsetAsync(o.dK.untyped_data(), 0, o.dK.size_bytes(), stream));
+    if (sum_groups) {  // the kernel adds every value head's rows into them: zeroed here or by
+      // the walk
+      if (!sums_by_walk) {
+        JCG_CHECK_CUDA(cudaMemsetAsync(o.dQ.untyped_data(), 0, o.dQ.size_bytes(), stream));
+        JCG_CHECK_CUDA(cudaMemsetAsync(o.dK.untyped_data(), 0, o.dK.size_bytes(), stream));
+      }
     } else {
       JCG_CHECK_CUDA(poison_all(stream, o.dQ, o.dK));
     }

@@ -69,7 +69,8 @@
 // h, A and dS_end, dvn (walk_bwd's) come by TMA on one mbarrier, issued by the last thread in
 // stage 0 and waited for after stage 1. With a hand-off buffer (handoff.cuh; walk_chunk_bwd)
 // the CTAs take the items last chunk first and that thread first waits for the walk launched
-// before them to publish the item (its warp has only its copies to wait for then).
+// before them to publish the item (its warp has only its copies to wait for then); where the
+// walk zeroes the group sums (Handoff::group), the items of the chunk's whole GVA group.
 #pragma once
 
 #include "device_common.cuh"
@@ -503,6 +504,9 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     }
   };
   auto tma_dqk = [&](const CUtensorMap* map) {  // one thread, after the barrier
+    // the walk's zeroing of the sums (TMA stores, acquired by the hand-off's waiting thread
+    // before a barrier) before this thread's adds in the async proxy
+    if (sum_groups && handoff.data != nullptr) fence_proxy_async_global();
 #pragma unroll
     for (int b = 0; b < K / 32; ++b) {
       if (sum_groups)
@@ -553,7 +557,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 #pragma unroll
     for (int j = 0; j < V / 64; ++j) tma_load_2d(Hs + j * (K * 128), &h_map, 64 * j, item * K,
                                                  &tiles_bar);
-    if (handoff.data != nullptr) handoff_wait(handoff, item);  // the walk has stored them
+    // the walk has stored them (and zeroed the group's sums: its items of the chunk)
+    if (handoff.data != nullptr) handoff_wait(handoff, item - hv % handoff.group, handoff.group);
 #pragma unroll
     for (int j = 0; j < V / 64; ++j) {
       tma_load_2d(DSs + j * (K * 128), &dS_end_map, 64 * j, item * K, &tiles_bar);

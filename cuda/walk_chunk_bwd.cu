@@ -26,19 +26,24 @@ ffi::Error walk_chunk_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           Ret<F32> dbeta, Ret<F32> dQ, Ret<F32> dK, Ret<S32> counts,
                           Ret<S32> handoff) {
   KernelPlan walk, chunk;
+  // GVA with the kernel's own group sums (deterministic=False): the walk zeroes them, a chunk at
+  // a time before it publishes the chunk, and chunk_bwd's items wait for their group's
+  const int64_t H = q.dimensions()[1], HV = v.dimensions()[1];
+  const bool sums_by_walk = dQ->dimensions()[1] == H && H < HV;
   JCG_RETURN_IF_ERROR(plan_walk_bwd(
       {q, k, w, G, dout, dfinal, rstd_q, rstd_k, chunks, segs, seg_order, *scale}, *dS_end, *dh0,
-      *dvn, walk));
+      *dvn, walk, sums_by_walk ? dQ->typed_data() : nullptr,
+      sums_by_walk ? dK->typed_data() : nullptr));
   JCG_RETURN_IF_ERROR(plan_chunk_bwd(
       {q, k, v, beta, G, A, h, v_new, *dS_end, *dvn, dout, rstd_q, rstd_k, chunks, *scale},
-      {*dq, *dk, *dV, *dg, *dbeta, *dQ, *dK, *counts}, chunk));
-  // Everything the two kernels need before the walk starts (the hand-off zeroed, the atomic
-  // group sums too, by memsets: in the walk's producer the stores lengthened its chain): nothing
-  // may run between them.
+      {*dq, *dk, *dV, *dg, *dbeta, *dQ, *dK, *counts}, chunk, sums_by_walk));
+  // Everything the two kernels need before the walk starts (the hand-off zeroed, chunk_bwd's
+  // outputs poisoned and its counts zeroed): nothing may run between them.
   JCG_CHECK_CUDA(cudaMemsetAsync(handoff->untyped_data(), 0, handoff->size_bytes(), stream));
   JCG_RETURN_IF_ERROR(chunk.prepare(stream));
   JCG_RETURN_IF_ERROR(walk.prepare(stream));
-  const Handoff hand{handoff->typed_data(), static_cast<int>(walk.ctas), walk.tiles};
+  const Handoff hand{handoff->typed_data(), static_cast<int>(walk.ctas), walk.tiles,
+                     sums_by_walk ? static_cast<int>(HV / H) : 1};
   JCG_RETURN_IF_ERROR(walk.launch(stream, hand));
   return chunk.launch(stream, hand);
 }
