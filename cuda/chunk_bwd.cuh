@@ -1016,30 +1016,34 @@ __global__ void __launch_bounds__(kCbThreads, 1)
   if (tid == 0) *last = atom_add_acq_rel_gpu(counts + c * H + hk, 1) == HV / H - 1;
   __syncthreads();
   if (!*last) return;
-  // warp w takes rows w + 8 j, dQ's then dK's, each time every row's loads before any row's
-  // arithmetic (one round trip to L2 a tensor)
+  // warp w takes rows w + 8 j of dQ and dK: every row's loads (the f32 sums, x, rstd) before any
+  // row's arithmetic, one round trip to L2
   constexpr int kRowsW = kChunk / kCbWarps, E = K / 32;
-#pragma unroll 1
+  float d[2][kRowsW][E], xv[2][kRowsW][E], r[2][kRowsW];
+#pragma unroll
   for (int x = 0; x < 2; ++x) {
     const float* sum = x == 0 ? dQ : dK;
     const In* src = x == 0 ? q : k;
     const float* rstd = x == 0 ? rstd_q : rstd_k;
-    float d[kRowsW][E], xv[kRowsW][E], r[kRowsW];
 #pragma unroll
     for (int j = 0; j < kRowsW; ++j) {
       const int64_t row = (cs.start + min(warp + kCbWarps * j, len - 1)) * H + hk;
 #pragma unroll
       for (int e = 0; e < E; ++e) {
-        d[j][e] = __ldcg(sum + row * K + lane + 32 * e);
-        xv[j][e] = rstd != nullptr ? static_cast<float>(src[row * K + lane + 32 * e]) : 0.f;
+        d[x][j][e] = __ldcg(sum + row * K + lane + 32 * e);
+        xv[x][j][e] = rstd != nullptr ? static_cast<float>(src[row * K + lane + 32 * e]) : 0.f;
       }
-      r[j] = rstd != nullptr ? rstd[row] : 1.f;
+      r[x][j] = rstd != nullptr ? rstd[row] : 1.f;
     }
+  }
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const bool with_r = (x == 0 ? rstd_q : rstd_k) != nullptr;
 #pragma unroll
     for (int j = 0; j < kRowsW; ++j) {
       const int i = warp + kCbWarps * j;  // warp-uniform
       if (i < len)
-        l2norm_bwd_row<In, K>(d[j], xv[j], rstd != nullptr, r[j],
+        l2norm_bwd_row<In, K>(d[x][j], xv[x][j], with_r, r[x][j],
                               (x == 0 ? dq_out : dk_out) + ((cs.start + i) * H + hk) * K + lane);
     }
   }
