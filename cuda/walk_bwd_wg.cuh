@@ -325,6 +325,7 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
             tma_load_3d(Ws + j * Sm::kSlab, &lm.w, 64 * j, hv, t0, bars + 2 + b);
           }
         }
+        if (zero_sums()) zero_chunk(c);  // behind the chunk's loads
         cp_async_wait_all();                           // the rows
         mbar_wait(bars + b, ((c_last - c) >> 1) & 1);  // dO: buffer b's (c_last - c) / 2-th use
         // rows past the chunk's end: zero, as cp.async leaves them
@@ -380,7 +381,8 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     };
     // chunk c while the compute warps work on chunk c + 1 (the first: before they start)
     for (int c = c_last, b = 0; c >= c_first; --c, b ^= 1) {
-      if (zero_sums()) zero_chunk(c);
+      if constexpr (!kTma)  // f32 (bf16: behind the chunk's TMA loads, in copy_chunk)
+        if (zero_sums()) zero_chunk(c);
       copy_chunk(c, b);
       __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c + 1
       // chunk c + 2's stores completed before the compute warps reached this barrier (and its
