@@ -2,16 +2,11 @@
 //
 //   jax_cake_gdn_chunk_bwd(q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rstd_q, rstd_k,
 //                          chunk_start, chunk_len; scale)
-//       -> dq, dk [T, H, K] in q's dtype (the L2-norm backward applied: the gradients of q, k);
-//          dV [T, HV, V] in v's dtype, dg f32[T, HV], dbeta f32[T, HV];
-//          dQ, dK f32[T, HQ, K] (scratch: the gradients w.r.t. the normalised q / k), counts
-//          int32[NC H] (scratch)
-//
-// HQ = H < HV: the kernel sums each GVA group's dQ, dK rows with f32 adds into the zeroed
-// scratch (the order of the adds varies from run to run: not bitwise deterministic), and the
-// group's last CTA of each chunk (counts) applies the L2-norm backward to its rows (l2norm.cuh)
-// and writes dq, dk. HQ = H = HV: the same with groups of one (deterministic). HQ = HV > H: per
-// value head rows, then the l2norm_bwd kernel sums each group in a fixed order (deterministic).
+//       -> dQ, dK f32[T, HQ, K] (w.r.t. the normalised q / k: the caller applies the L2-norm
+//          backward): HQ = HV gives them per value head (the caller sums the GVA groups), HQ = H
+//          < HV has the kernel sum each group with f32 atomic adds into the zeroed outputs (the
+//          order of the adds varies from run to run: not bitwise deterministic);
+//          dV [T, HV, V] in v's dtype, dg f32[T, HV], dbeta f32[T, HV]
 //
 // q, k: bf16 or f32 [T, H, K]; v, do [T, HV, V] in q's dtype; beta, G f32[T, HV];
 // A bf16[NC, HV, 64, 64] (as prep stores it); h, dS_end bf16[NC, HV, K, V] (the walks' bf16
@@ -23,13 +18,11 @@
 
 namespace jax_cake_gdn {
 
-ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPlan& plan,
-                          bool sums_by_walk) {
+ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPlan& plan) {
   const auto qd = in.q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
   const int64_t HV = in.v.dimensions()[1], V = in.v.dimensions()[2], NC = in.chunks.count();
   const bool sum_groups = out.dQ.dimensions()[1] < HV;  // dQ, dK f32[T, H, K]
-  const bool epilogue = out.dQ.dimensions()[1] == H;     // dq, dk in the kernel (counts)
   // dS_end, h as [NC * HV * K rows, V], dvn as [NC * HV * 64 rows, V], A as [NC * HV * 64, 64]:
   // the kernel loads the 64-column boxes of one (chunk, head)
   CUtensorMap dS_end_map{}, dvn_map{}, h_map{}, A_map{}, dQ_map{}, dK_map{}, dV_map{};
@@ -54,18 +47,13 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
   plan.items = NC * HV;
   plan.prepare = [=](cudaStream_t stream) {
     ChunkBwdOut o = out;
-    if (sum_groups) {  // the kernel adds every value head's rows into them: zeroed here or by
-      // the walk
-      if (!sums_by_walk) {
-        JCG_CHECK_CUDA(cudaMemsetAsync(o.dQ.untyped_data(), 0, o.dQ.size_bytes(), stream));
-        JCG_CHECK_CUDA(cudaMemsetAsync(o.dK.untyped_data(), 0, o.dK.size_bytes(), stream));
-      }
+    if (sum_groups) {  // the kernel adds every value head's rows into them
+      JCG_CHECK_CUDA(cudaMemsetAsync(o.dQ.untyped_data(), 0, o.dQ.size_bytes(), stream));
+      JCG_CHECK_CUDA(cudaMemsetAsync(o.dK.untyped_data(), 0, o.dK.size_bytes(), stream));
     } else {
       JCG_CHECK_CUDA(poison_all(stream, o.dQ, o.dK));
     }
-    if (epilogue)
-      JCG_CHECK_CUDA(cudaMemsetAsync(o.counts.untyped_data(), 0, o.counts.size_bytes(), stream));
-    JCG_CHECK_CUDA(poison_all(stream, o.dq, o.dk, o.dV, o.dg, o.dbeta));
+    JCG_CHECK_CUDA(poison_all(stream, o.dV, o.dg, o.dbeta));
     return ffi::Error::Success();
   };
   plan.launch = [=](cudaStream_t stream, Handoff handoff) {
@@ -76,7 +64,7 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
           constexpr int KD = decltype(kd)::value, VD = decltype(vd)::value;
           ChunkBwdOut o = out;
           // behind the walk (hand-off): may start while it runs (programmatic dependent launch)
-          JCG_RETURN_IF_ERROR(cuda_status(
+          return cuda_status(
               launch(handoff.data != nullptr && pdl_enabled(), chunk_bwd_kernel<In, KD, VD>,
                      dim3(static_cast<unsigned>(NC * HV)), kCbThreads,
                      ChunkBwdSmem<In, KD, VD>::bytes, stream, data<In>(in.q), data<In>(in.k),
@@ -86,16 +74,9 @@ ffi::Error plan_chunk_bwd(const ChunkBwdIn& in, const ChunkBwdOut& out, KernelPl
                      optional_data(in.rstd_k),
                      in.chunks.start.typed_data(), in.chunks.len.typed_data(),
                      o.dQ.typed_data(), o.dK.typed_data(), data<In>(o.dV), o.dg.typed_data(),
-                     o.dbeta.typed_data(), data<In>(o.dq), data<In>(o.dk),
-                     epilogue ? o.counts.typed_data() : nullptr, T, static_cast<int>(H),
-                     static_cast<int>(HV), sum_groups, in.scale, handoff),
-              "chunk_bwd_kernel"));
-          if (epilogue) return ffi::Error::Success();
-          // per value head rows: the group sums and the L2-norm backward after the kernel
-          JCG_RETURN_IF_ERROR(launch_l2norm_bwd(stream, o.dQ.typed_data(), HV, in.q,
-                                                optional_data(in.rstd_q), o.dq));
-          return launch_l2norm_bwd(stream, o.dK.typed_data(), HV, in.k, optional_data(in.rstd_k),
-                                   o.dk);
+                     o.dbeta.typed_data(), T, static_cast<int>(H), static_cast<int>(HV),
+                     sum_groups, in.scale, handoff),
+              "chunk_bwd_kernel");
         },
         FloatType{in.q.element_type()}, HeadDim{K}, HeadDim{V});
   };
@@ -107,12 +88,12 @@ namespace {
 ffi::Error chunk_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      F32 beta, F32 G, BF16 A, BF16 h, BF16 v_new, BF16 dS_end, BF16 dvn,
                      ffi::AnyBuffer dout, F32 rstd_q, F32 rstd_k, ChunkTable chunks, Scale scale,
-                     Ret<ffi::AnyBuffer> dq, Ret<ffi::AnyBuffer> dk, Ret<ffi::AnyBuffer> dV,
-                     Ret<F32> dg, Ret<F32> dbeta, Ret<F32> dQ, Ret<F32> dK, Ret<S32> counts) {
+                     Ret<F32> dQ, Ret<F32> dK, Ret<ffi::AnyBuffer> dV, Ret<F32> dg,
+                     Ret<F32> dbeta) {
   KernelPlan plan;
   JCG_RETURN_IF_ERROR(plan_chunk_bwd(
       {q, k, v, beta, G, A, h, v_new, dS_end, dvn, dout, rstd_q, rstd_k, chunks, *scale},
-      {*dq, *dk, *dV, *dg, *dbeta, *dQ, *dK, *counts}, plan));
+      {*dQ, *dK, *dV, *dg, *dbeta}, plan));
   JCG_RETURN_IF_ERROR(plan.prepare(stream));
   return plan.launch(stream, Handoff{});
 }

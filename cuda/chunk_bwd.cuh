@@ -36,10 +36,6 @@
 // Per-row reductions (dG, dbeta, dG_C) go through per-tile partial arrays in shared memory and
 // are summed in a fixed order: the kernel is deterministic (no atomics) unless sum_groups asks it
 // to add dQ, dK over the GVA group itself (f32 atomic adds in the order the CTAs reach them).
-// With counts (dQ, dK per key head: sum_groups, or H = HV), the last CTA of each (chunk, key head)
-// group to finish its rows (an acq_rel count) reads the group's f32 rows back from L2, applies
-// the L2-norm backward (l2norm.cuh, the l2norm_bwd kernel's row code) and writes dq, dk in q's
-// dtype, so no kernel runs after this one for them.
 //
 // Where a stage's result is 64 x 128, each warpgroup's two blocks thus go out as one m64n64 chain
 // (half the A-operand reads from shared memory of two m64n32 chains), and a stage's chains go out
@@ -69,13 +65,11 @@
 // h, A and dS_end, dvn (walk_bwd's) come by TMA on one mbarrier, issued by the last thread in
 // stage 0 and waited for after stage 1. With a hand-off buffer (handoff.cuh; walk_chunk_bwd)
 // the CTAs take the items last chunk first and that thread first waits for the walk launched
-// before them to publish the item (its warp has only its copies to wait for then); where the
-// walk zeroes the group sums (Handoff::group), the items of the chunk's whole GVA group.
+// before them to publish the item (its warp has only its copies to wait for then).
 #pragma once
 
 #include "device_common.cuh"
 #include "handoff.cuh"
-#include "l2norm.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
 
@@ -431,11 +425,8 @@ __global__ void __launch_bounds__(kCbThreads, 1)
                      const float* __restrict__ rstd_k,                              // nullable
                      const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                      float* __restrict__ dQ, float* __restrict__ dK, In* __restrict__ dV,
-                     float* __restrict__ dg, float* __restrict__ dbeta,
-                     In* __restrict__ dq_out, In* __restrict__ dk_out,  // the epilogue's
-                     int32_t* __restrict__ counts,  // nullable: no epilogue
-                     int64_t num_tokens, int H, int HV, bool sum_groups, float scale,
-                     Handoff handoff) {
+                     float* __restrict__ dg, float* __restrict__ dbeta, int64_t num_tokens, int H,
+                     int HV, bool sum_groups, float scale, Handoff handoff) {
   using Sm = ChunkBwdSmem<In, K, V>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem = align_1024(smem_raw);
@@ -504,9 +495,6 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     }
   };
   auto tma_dqk = [&](const CUtensorMap* map) {  // one thread, after the barrier
-    // the walk's zeroing of the sums (TMA stores, acquired by the hand-off's waiting thread
-    // before a barrier) before this thread's adds in the async proxy
-    if (sum_groups && handoff.data != nullptr) fence_proxy_async_global();
 #pragma unroll
     for (int b = 0; b < K / 32; ++b) {
       if (sum_groups)
@@ -557,8 +545,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
 #pragma unroll
     for (int j = 0; j < V / 64; ++j) tma_load_2d(Hs + j * (K * 128), &h_map, 64 * j, item * K,
                                                  &tiles_bar);
-    // the walk has stored them (and zeroed the group's sums: its items of the chunk)
-    if (handoff.data != nullptr) handoff_wait(handoff, item - hv % handoff.group, handoff.group);
+    if (handoff.data != nullptr) handoff_wait(handoff, item);  // the walk has stored them
 #pragma unroll
     for (int j = 0; j < V / 64; ++j) {
       tma_load_2d(DSs + j * (K * 128), &dS_end_map, 64 * j, item * K, &tiles_bar);
@@ -1001,52 +988,7 @@ __global__ void __launch_bounds__(kCbThreads, 1)
     if (i0 < len) dg[(cs.start + i0) * HV + hv] = r1 + x0;
     if (i0 + 1 < len) dg[(cs.start + i0 + 1) * HV + hv] = r1;
   }
-  if (counts == nullptr) {
-    if (full && tid == 0) tma_store_wait();
-    return;
-  }
-  // The epilogue (dQ, dK per key head: summed over the group, or H = HV): this CTA's rows of dQ,
-  // dK complete (bulk ones by its thread 0's wait, its threads' own by their fences) before it
-  // counts itself in its (chunk, key head) group; the group's last CTA to count reads the
-  // group's f32 rows and writes dq, dk (the L2-norm backward with rstd, in q's dtype).
-  if (full && tid == 0) bulk_stores_complete_but<0>();
-  __threadfence();
-  __syncthreads();
-  int* last = reinterpret_cast<int*>(sRed + kCbWarps + 1);
-  if (tid == 0) *last = atom_add_acq_rel_gpu(counts + c * H + hk, 1) == HV / H - 1;
-  __syncthreads();
-  if (!*last) return;
-  // warp w takes rows w + 8 j of dQ and dK: every row's loads (the f32 sums, x, rstd) before any
-  // row's arithmetic, one round trip to L2
-  constexpr int kRowsW = kChunk / kCbWarps, E = K / 32;
-  float d[2][kRowsW][E], xv[2][kRowsW][E], r[2][kRowsW];
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const float* sum = x == 0 ? dQ : dK;
-    const In* src = x == 0 ? q : k;
-    const float* rstd = x == 0 ? rstd_q : rstd_k;
-#pragma unroll
-    for (int j = 0; j < kRowsW; ++j) {
-      const int64_t row = (cs.start + min(warp + kCbWarps * j, len - 1)) * H + hk;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        d[x][j][e] = __ldcg(sum + row * K + lane + 32 * e);
-        xv[x][j][e] = rstd != nullptr ? static_cast<float>(src[row * K + lane + 32 * e]) : 0.f;
-      }
-      r[x][j] = rstd != nullptr ? rstd[row] : 1.f;
-    }
-  }
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const bool with_r = (x == 0 ? rstd_q : rstd_k) != nullptr;
-#pragma unroll
-    for (int j = 0; j < kRowsW; ++j) {
-      const int i = warp + kCbWarps * j;  // warp-uniform
-      if (i < len)
-        l2norm_bwd_row<In, K>(d[x][j], xv[x][j], with_r, r[x][j],
-                              (x == 0 ? dq_out : dk_out) + ((cs.start + i) * H + hk) * K + lane);
-    }
-  }
+  if (full && tid == 0) tma_store_wait();
 }
 
 }  // namespace jax_cake_gdn

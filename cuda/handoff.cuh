@@ -17,35 +17,16 @@ struct Handoff {
   int32_t* data = nullptr;  // null: no hand-off (the kernels alone)
   int walk_ctas = 0;        // CTAs of the walk
   int tiles = 0;            // walk CTAs an item (its column tiles)
-  // value heads whose items of a chunk a chunk_bwd item waits for: HV / H where the walk zeroes
-  // the GVA group sums of dq, dk, each group's CTAs a share of every chunk's rows; else 1
-  int group = 1;
 };
 
 __device__ __forceinline__ void red_add_release_gpu(int32_t* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ int atom_add_acq_rel_gpu(int32_t* p, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
-               : "=r"(old)
-               : "l"(p), "r"(v)
-               : "memory");
-  return old;
-}
-
 __device__ __forceinline__ int ld_acquire_gpu(const int32_t* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
-}
-
-// This thread's generic-proxy view of global memory (what it wrote or acquired) ordered before
-// its later async-proxy (TMA) accesses, and its completed async-proxy writes before its later
-// generic ones.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
 // This thread's bulk (TMA) stores but the newest N are complete; their writes ordered before
@@ -73,14 +54,11 @@ __device__ __forceinline__ void handoff_walk_done(const Handoff& h) {
   red_add_release_gpu(h.data, 1);
 }
 
-// chunk_bwd side, one thread: until items first .. first + n - 1 are published, or the walk has
-// finished; then its TMA (async proxy) loads and adds may read and add to what the walk wrote.
-__device__ __forceinline__ void handoff_wait(const Handoff& h, int first, int n = 1) {
-  for (int j = 0; j < n; ++j) {
-    while (ld_acquire_gpu(h.data + 1 + first + j) < h.tiles &&
-           ld_acquire_gpu(h.data) < h.walk_ctas)
-      __nanosleep(128);
-  }
+// chunk_bwd side, one thread: until `item` is published, or the walk has finished; then its
+// TMA (async proxy) loads may read what the walk wrote.
+__device__ __forceinline__ void handoff_wait(const Handoff& h, int item) {
+  while (ld_acquire_gpu(h.data + 1 + item) < h.tiles && ld_acquire_gpu(h.data) < h.walk_ctas)
+    __nanosleep(128);
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 

@@ -3,14 +3,7 @@
 //   jax_cake_gdn_prep(k, v, beta, G, rstd_k, chunk_start, chunk_len) -> A bf16[NC, HV, 64, 64],
 //                                                                       w bf16[T, HV, K],
 //                                                                       u bf16[T, HV, V]
-//   jax_cake_gdn_solve_a(q, k, beta, G, chunk_start, chunk_len) -> A (prep's, bit for bit, for
-//                                                                    the rstd_k it returns),
-//                                                                    rstd_q, rstd_k
-//
-// solve_a's rstd_q, rstd_k: f32[T, H] = 1 / sqrt(sum x^2 + 1e-6) of q's and k's rows (the L2 norm;
-// f32 sums in a fixed order, so deterministic), or f32[1] placeholders left as they are (no L2
-// norm: A from the raw k). Every row is stored by the chunk that holds it (chunks.py: the chunks
-// cover [0, T)).
+//   jax_cake_gdn_solve_a(k, beta, G, rstd_k, chunk_start, chunk_len) -> A (prep's, bit for bit)
 //
 // A, w and u are rounded to bf16 (nearest) when written: A and w are what every reader
 // (chunk_bwd, the walks) uses as mma operands; u starts the walks' f32 product-1 accumulator
@@ -18,9 +11,8 @@
 // 2.4e-3 at T = 4096, heads (2, 6); FLA keeps u in bf16 too). prep computes A in f32 (shared
 // memory) and uses the same bf16 values for its own w and u.
 //
-// q, k, v: bf16 or f32 [T, H, K] / [T, HV, V] (same dtype); beta, G: f32[T, HV]; prep's rstd_k:
-// f32[T, H] or f32[1] (no L2 norm); chunk_start / chunk_len: int32[NC] (chunks.py). K, V in
-// {64, 128}.
+// k, v: bf16 or f32 [T, H, K] / [T, HV, V] (same dtype); beta, G: f32[T, HV]; rstd_k: f32[T, H]
+// or f32[1] (no L2 norm); chunk_start / chunk_len: int32[NC] (chunks.py). K, V in {64, 128}.
 #include <algorithm>
 
 #include "handler.cuh"
@@ -30,12 +22,11 @@
 namespace jax_cake_gdn {
 namespace {
 
-// prep_kernel<In, K, kWU> over the NC x HV grid (kWU = false: v, w, u null, V unused; rstd_k
-// null, the L2 norm's rstd made into rq, rk unless null).
+// prep_kernel<In, K, kWU> over the NC x HV grid (kWU = false: v, w, u null, V unused).
 template <bool kWU>
 ffi::Error launch_prep(cudaStream_t stream, const ffi::AnyBuffer& k, const void* v, F32 beta,
-                       F32 G, const float* rstd_k, const SolveARstd& rs, ChunkTable chunks,
-                       BF16 A, void* w, void* u, int64_t V) {
+                       F32 G, F32 rstd_k, ChunkTable chunks, BF16 A, void* w, void* u,
+                       int64_t V) {
   const auto kd = k.dimensions();
   const int64_t T = kd[0], H = kd[1], K = kd[2], HV = beta.dimensions()[1], NC = chunks.count();
   if (NC == 0 || HV == 0) return ffi::Error::Success();
@@ -50,8 +41,7 @@ ffi::Error launch_prep(cudaStream_t stream, const ffi::AnyBuffer& k, const void*
         JCG_CHECK_CUDA(launch(prep_kernel<In, KD, kWU>, dim3(static_cast<unsigned>(NC * HV)),
                               kPrepThreads, PrepSmem<KD, kWU>::bytes, stream, data<In>(k),
                               static_cast<const In*>(v), beta.typed_data(), G.typed_data(),
-                              rstd_k, static_cast<const In*>(rs.q), rs.rstd_q, rs.rstd_k,
-                              chunks.start.typed_data(),
+                              optional_data(rstd_k), chunks.start.typed_data(),
                               chunks.len.typed_data(), static_cast<bf16*>(A.untyped_data()),
                               static_cast<bf16*>(w), static_cast<bf16*>(u), T,
                               static_cast<int>(H), static_cast<int>(HV), static_cast<int>(V)));
@@ -62,8 +52,8 @@ ffi::Error launch_prep(cudaStream_t stream, const ffi::AnyBuffer& k, const void*
 
 // solve_a_ahead_kernel (bf16 k): one CTA per resident slot of every SM.
 ffi::Error launch_solve_a_ahead(cudaStream_t stream, const ffi::AnyBuffer& k, F32 beta, F32 G,
-                                const SolveARstd& rs, ChunkTable chunks, BF16 A,
-                                int32_t* a_ready, int reserve) {
+                                F32 rstd_k, ChunkTable chunks, BF16 A, int32_t* a_ready,
+                                int reserve) {
   const auto kd = k.dimensions();
   const int64_t T = kd[0], H = kd[1], K = kd[2], HV = beta.dimensions()[1], NC = chunks.count();
   if (k.element_type() != ffi::DataType::BF16)
@@ -82,8 +72,7 @@ ffi::Error launch_solve_a_ahead(cudaStream_t stream, const ffi::AnyBuffer& k, F3
         const int ctas = sm_count() * std::max(per_sm, 1);
         JCG_CHECK_CUDA(launch(kernel, dim3(static_cast<unsigned>(ctas)), kPrepThreads, smem,
                               stream, data<bf16>(k), beta.typed_data(), G.typed_data(),
-                              static_cast<const bf16*>(rs.q), rs.rstd_q, rs.rstd_k,
-                              chunks.start.typed_data(),
+                              optional_data(rstd_k), chunks.start.typed_data(),
                               chunks.len.typed_data(), static_cast<bf16*>(A.untyped_data()), T,
                               static_cast<int>(H), static_cast<int>(HV), a_ready,
                               static_cast<int>(NC * HV), reserve));
@@ -95,35 +84,23 @@ ffi::Error launch_solve_a_ahead(cudaStream_t stream, const ffi::AnyBuffer& k, F3
 ffi::Error prep(cudaStream_t stream, ffi::AnyBuffer k, ffi::AnyBuffer v, F32 beta, F32 G,
                 F32 rstd_k, ChunkTable chunks, Ret<BF16> A, Ret<BF16> w, Ret<BF16> u) {
   JCG_CHECK_CUDA(poison_all(stream, *A, *w, *u));
-  return launch_prep<true>(stream, k, v.untyped_data(), beta, G, optional_data(rstd_k), {},
-                           chunks, *A, w->untyped_data(), u->untyped_data(), v.dimensions()[2]);
+  return launch_prep<true>(stream, k, v.untyped_data(), beta, G, rstd_k, chunks, *A,
+                           w->untyped_data(), u->untyped_data(), v.dimensions()[2]);
 }
 
-ffi::Error solve_a(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, F32 beta, F32 G,
-                   ChunkTable chunks, Ret<BF16> A, Ret<F32> rstd_q, Ret<F32> rstd_k) {
-  SolveARstd rs;
-  JCG_RETURN_IF_ERROR(solve_a_rstd(stream, q, *rstd_q, *rstd_k, rs));
+ffi::Error solve_a(cudaStream_t stream, ffi::AnyBuffer k, F32 beta, F32 G, F32 rstd_k,
+                   ChunkTable chunks, Ret<BF16> A) {
   JCG_CHECK_CUDA(poison(stream, *A));
-  return launch_solve_a(stream, k, beta, G, rs, chunks, *A, nullptr, 0);
+  return launch_solve_a(stream, k, beta, G, rstd_k, chunks, *A, nullptr, 0);
 }
 
 }  // namespace
 
-ffi::Error solve_a_rstd(cudaStream_t stream, const ffi::AnyBuffer& q, F32 rstd_q, F32 rstd_k,
-                        SolveARstd& rs) {
-  if (rstd_k.dimensions().size() != 2) return ffi::Error::Success();  // no L2 norm
-  JCG_CHECK_CUDA(poison_all(stream, rstd_q, rstd_k));
-  rs = {q.untyped_data(), rstd_q.typed_data(), rstd_k.typed_data()};
-  return ffi::Error::Success();
-}
-
 ffi::Error launch_solve_a(cudaStream_t stream, const ffi::AnyBuffer& k, F32 beta, F32 G,
-                          const SolveARstd& rs, ChunkTable chunks, BF16 A, int32_t* a_ready,
-                          int reserve) {
+                          F32 rstd_k, ChunkTable chunks, BF16 A, int32_t* a_ready, int reserve) {
   if (a_ready != nullptr)
-    return launch_solve_a_ahead(stream, k, beta, G, rs, chunks, A, a_ready, reserve);
-  return launch_prep<false>(stream, k, nullptr, beta, G, nullptr, rs, chunks, A, nullptr,
-                            nullptr, 0);
+    return launch_solve_a_ahead(stream, k, beta, G, rstd_k, chunks, A, a_ready, reserve);
+  return launch_prep<false>(stream, k, nullptr, beta, G, rstd_k, chunks, A, nullptr, nullptr, 0);
 }
 
 }  // namespace jax_cake_gdn

@@ -3,14 +3,11 @@
 //
 //   prep:  L = strictly_lower(beta_i Gam_ij k_i.k_j),  A = (I + L)^-1   -> A bf16[NC, HV, 64, 64]
 //          w = A diag(beta e^G r) K_raw -> bf16[T, HV, K],  u = A diag(beta) V -> bf16[T, HV, V]
-//   solve_a: A only (prep_kernel with kWU = false; the light forward's walk makes w, u itself),
-//            and with the L2 norm the rstd of q and k's rows, which every later kernel reads
+//   solve_a: A only (prep_kernel with kWU = false; the light forward's walk makes w, u itself)
 //
-// (r = rstd of k, 1 without L2 norm: prep reads it; solve_a makes it from the k rows it loads,
-// piece_row_rstd, and the CTA of each chunk's first value head of a GVA group stores it with
-// q's.) k normalised by r (for K K^T), the raw k and v are rounded to bf16 in shared memory;
-// K K^T and the w, u products run on tensor cores (mma.sync m16n8k16, f32 accumulate; warp w owns
-// rows 16w..16w+15). w and u take the column scales on A:
+// (r = rstd of k, 1 without L2 norm.) k normalised by r (for K K^T), the raw k and v are rounded
+// to bf16 in shared memory; K K^T and the w, u products run on tensor cores (mma.sync m16n8k16,
+// f32 accumulate; warp w owns rows 16w..16w+15). w and u take the column scales on A:
 //   A_w = bf16(A diag(beta e^G r)),  A_u = bf16(A diag(beta))   (A rounded to bf16 first)
 //   w = A_w bf16(K_raw),  u = A_u bf16(V)   (4 k16 steps from zero, rounded to bf16)
 // the roundings and product order of the walks that make w, u on chip from the saved A
@@ -196,63 +193,6 @@ __device__ __forceinline__ void prep_write_a(bf16* __restrict__ out, const float
 // solve, so its load hides behind K K^T and the solve. f32 inputs: through registers (one global
 // read of k, two shared stores).
 
-// 1 / sqrt(sum x^2 + 1e-6) of the row of which this thread holds the 8 elements f at column
-// TilePieces::col() (K / 8 threads of adjacent lanes a row; every lane of the warp calls it). The
-// sum goes in a fixed order: each 16-byte piece from zero by fmaf in element order (bf16: the 8
-// elements; f32: two pieces of 4), then a butterfly over the row's pieces, as one lane a piece
-// with shuffles of offset pieces / 2, .., 1 would add them (f32: across threads per half, then
-// the halves).
-template <typename In, int K>
-__device__ __forceinline__ float piece_row_rstd(const float (&f)[8]) {
-  constexpr int kVpr = K / 8;
-  if constexpr (sizeof(In) == 2) {
-    float s = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s = fmaf(f[e], f[e], s);
-#pragma unroll
-    for (int off = kVpr / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    return rsqrtf(s + 1e-6f);
-  } else {
-    float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      s0 = fmaf(f[e], f[e], s0);
-      s1 = fmaf(f[4 + e], f[4 + e], s1);
-    }
-#pragma unroll
-    for (int off = kVpr / 2; off > 0; off >>= 1) {
-      s0 += __shfl_xor_sync(0xffffffffu, s0, off);
-      s1 += __shfl_xor_sync(0xffffffffu, s1, off);
-    }
-    return rsqrtf((s0 + s1) + 1e-6f);
-  }
-}
-
-// solve_a's L2 norm: rstd out (f32[T, H], or null: none) for the rows of head hk, stored by the
-// CTA of the GVA group's first value head (`store`); rstd_q also takes q's.
-struct PrepRstdOut {
-  float* rstd_q;
-  float* rstd_k;
-  bool store;
-};
-
-// rstd of q's rows t < len of head hk (token rows start..) to rstd_q, this thread's pieces two
-// at a time.
-template <typename In, int K>
-__device__ __forceinline__ void prep_q_rstd(const In* __restrict__ q, float* __restrict__ rstd_q,
-                                            int64_t start, int len, int H, int hk) {
-  using P = TilePieces<kChunk, K, kPrepThreads>;
-  const int c8 = P::col();
-#pragma unroll 2
-  for (int j = 0; j < P::kPer; ++j) {
-    const int t = P::row0() + j * P::kRowStep;
-    float f[8];
-    load8(q + ((start + min(t, len - 1)) * H + hk) * K + c8, f);
-    const float r = piece_row_rstd<In, K>(f);
-    if (t < len && c8 == 0) rstd_q[(start + t) * H + hk] = r;
-  }
-}
-
 // rstd of this thread's k chunks (TilePieces rows, clamped).
 template <int K>
 struct PrepKScales {
@@ -283,36 +223,12 @@ __device__ __forceinline__ void prep_k_finish(bf16* Kr, int kp, const bf16* Ks,
   }
 }
 
-// bf16, solve_a with the L2 norm: the same, with each row's rstd made from the raw k in Ks
-// (piece_row_rstd) and stored to rk (rows t < len; null: not stored).
-template <int K>
-__device__ __forceinline__ void prep_k_finish_own(bf16* Kr, int kp, const bf16* Ks, int len,
-                                                  float* __restrict__ rk, int64_t row_stride) {
-  using P = TilePieces<kChunk, K, kPrepThreads>;
-#pragma unroll
-  for (int j = 0; j < P::kPer; ++j) {
-    const int t = P::row0() + j * P::kRowStep, c8 = P::col();
-    float f[8];
-    lds8(Ks + t * kWyXP + c8, f);  // rows t >= len: zero-filled by cp.async
-    const float r = piece_row_rstd<bf16, K>(f);
-    if (t < len) {
-      sts8_bf16(Kr + t * kp + c8, f, r);
-      if (rk != nullptr && c8 == 0) rk[t * row_stride] = r;
-    } else {
-      sts8_zero(Kr + t * kp + c8);
-    }
-  }
-}
-
 // f32: k rows -> Kr and (kWU) Ks through registers, NB chunks per thread in flight
 // (load_tile_bf16's batching).
-// own: each row's rstd made from its f32 k (piece_row_rstd) instead of read from r, and stored to
-// rk (rows t < len; null: not stored; row stride H as rstd's).
 template <int K, bool kWU>
 __device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, const float* src,
                                                 int64_t row_stride, int len,
-                                                const ScaleRstd& r, bool own,
-                                                float* __restrict__ rk) {
+                                                const ScaleRstd& r) {
   using P = TilePieces<kChunk, K, kPrepThreads>;
   constexpr int kNB = 4;
   static_assert(P::kPer % kNB == 0, "tile does not split evenly");
@@ -324,14 +240,12 @@ __device__ __forceinline__ void prep_load_k_f32(bf16* Kr, int kp, bf16* Ks, cons
     for (int j = 0; j < kNB; ++j) {
       const int tt = min(t0 + (b0 + j) * P::kRowStep, len - 1);
       load8(src + tt * row_stride + c8, f[j]);
-      if (!own) rs[j] = r(tt);
+      rs[j] = r(tt);
     }
 #pragma unroll
     for (int j = 0; j < kNB; ++j) {
       const int t = t0 + (b0 + j) * P::kRowStep;
-      if (own) rs[j] = piece_row_rstd<float, K>(f[j]);  // every lane (shuffles)
       if (t < len) {
-        if (own && rk != nullptr && c8 == 0) rk[t * r.H] = rs[j];
         sts8_bf16(Kr + t * kp + c8, f[j], rs[j]);
         if constexpr (kWU) sts8_bf16(Ks + t * kWyXP + c8, f[j], 1.f);
       } else {
@@ -359,9 +273,7 @@ __device__ __forceinline__ void prep_scale_cols(const uint32_t (&a)[4][4], const
 }
 
 // kWU = false (solve_a): A only; v, w, u unused (may be null), V ignored. A is the same either
-// way (the same code up to prep_write_a) for the same rstd of k: prep reads it (rstd), solve_a
-// with out.rstd_k makes it from k (bit for bit what the former l2norm_rstd kernel gave) and, where
-// out.store, stores it and q's (rstd null then).
+// way (the same code up to prep_write_a).
 // One (chunk, value head) item (item = c HV + hv): prep_kernel's work for it.
 template <typename In, int K, bool kWU>
 __device__ __forceinline__ void prep_item(int item, unsigned char* smem, const In* __restrict__ k,
@@ -369,7 +281,6 @@ __device__ __forceinline__ void prep_item(int item, unsigned char* smem, const I
                                           const float* __restrict__ beta,
                                           const float* __restrict__ G,
                                           const float* __restrict__ rstd,
-                                          const In* __restrict__ q_rows, PrepRstdOut out,
                                           const int32_t* __restrict__ cstart,
                                           const int32_t* __restrict__ clen,
                                           bf16* __restrict__ A, bf16* __restrict__ w,
@@ -401,9 +312,6 @@ __device__ __forceinline__ void prep_item(int item, unsigned char* smem, const I
   const In* ksrc = k + hk * K + cs.start * H * K;
   const In* vsrc = v + int64_t{hv} * V + cs.start * HV * V;
   const ScaleRstd rs{rstd, cs.start, H, hk};
-  // solve_a's L2 norm: k's rstd made here; this CTA's rows of rstd_k (null: not stored)
-  const bool own = !kWU && out.rstd_k != nullptr;
-  float* rk_rows = own && out.store ? out.rstd_k + cs.start * H + hk : nullptr;
   if constexpr (kAsync) {
     cp_async_tile<kChunk, K, kPrepThreads>(Ks, kWyXP, ksrc, int64_t{H} * K, len);
     cp_async_commit();
@@ -424,20 +332,14 @@ __device__ __forceinline__ void prep_item(int item, unsigned char* smem, const I
     sb[t] = bb;
     if constexpr (kWU) sw[t] = bb * exp_ftz(gg) * rs(min(t, len - 1));  // (beta e^G) r
   }
-  if (own && out.store) prep_q_rstd<In, K>(q_rows, out.rstd_q, cs.start, len, H, hk);  // k lands
   if constexpr (kAsync) {
-    if (own) {
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's k chunks
-      prep_k_finish_own<K>(Kr, KP, Ks, len, rk_rows, H);
-    } else {
-      PrepKScales<K> sc;
-      sc.load(rs, len);
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's k chunks
-      prep_k_finish<K>(Kr, KP, Ks, sc, len);
-    }
+    PrepKScales<K> sc;
+    sc.load(rs, len);
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // this thread's k chunks
+    prep_k_finish<K>(Kr, KP, Ks, sc, len);
   } else {
     prep_load_k_f32<K, kWU>(Kr, KP, Ks, reinterpret_cast<const float*>(ksrc), int64_t{H} * K,
-                            len, rs, own, rk_rows);
+                            len, rs);
     if constexpr (kWU) {
       if (V == 64) {
         load_tile_bf16<kChunk, 64, 4, kPrepThreads>(Vs, kWyXP, vsrc, int64_t{HV} * V, len,
@@ -579,15 +481,11 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
     prep_kernel(const In* __restrict__ k, const In* __restrict__ v,
                 const float* __restrict__ beta, const float* __restrict__ G,
                 const float* __restrict__ rstd,  // nullable
-                const In* __restrict__ q, float* __restrict__ rstd_q,  // solve_a; nullable
-                float* __restrict__ rstd_k,                             // solve_a; nullable
                 const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                 bf16* __restrict__ A, bf16* __restrict__ w, bf16* __restrict__ u,
                 int64_t num_tokens, int H, int HV, int V) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int item = blockIdx.x;
-  const PrepRstdOut out{rstd_q, rstd_k, item % HV % (HV / H) == 0};
-  prep_item<In, K, kWU>(item, smem, k, v, beta, G, rstd, q, out, cstart, clen, A, w, u,
+  prep_item<In, K, kWU>(blockIdx.x, smem, k, v, beta, G, rstd, cstart, clen, A, w, u,
                         num_tokens, H, HV, V);
 }
 
@@ -595,12 +493,12 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, kWU>()))
 // once, whose CTAs on SMs with id < reserve exit at once (but the last: it takes every item left
 // if need be), so that the walk's CTAs, launched behind this grid with programmatic dependent
 // launch, get those SMs; the others take items in order from the counter a_ready[0] and publish
-// each item's A (and the rstd rows its CTA stored) on a_ready[1 + item] (handoff.cuh).
+// each A on a_ready[1 + item] (handoff.cuh).
 template <typename In, int K>
 __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, false>()))
     solve_a_ahead_kernel(const In* __restrict__ k, const float* __restrict__ beta,
-                         const float* __restrict__ G, const In* __restrict__ q,
-                         float* __restrict__ rstd_q, float* __restrict__ rstd_k,  // nullable
+                         const float* __restrict__ G,
+                         const float* __restrict__ rstd,  // nullable
                          const int32_t* __restrict__ cstart, const int32_t* __restrict__ clen,
                          bf16* __restrict__ A, int64_t num_tokens, int H, int HV,
                          int32_t* a_ready, int items, int reserve) {
@@ -614,9 +512,8 @@ __global__ void __launch_bounds__(kPrepThreads, (prep_min_ctas<K, false>()))
     __syncthreads();
     const int item = next;
     if (item >= items) return;
-    const PrepRstdOut out{rstd_q, rstd_k, item % HV % (HV / H) == 0};
-    prep_item<In, K, false>(item, smem, k, nullptr, beta, G, nullptr, q, out, cstart, clen, A,
-                            nullptr, nullptr, num_tokens, H, HV, 0);
+    prep_item<In, K, false>(item, smem, k, nullptr, beta, G, rstd, cstart, clen, A, nullptr,
+                            nullptr, num_tokens, H, HV, 0);
     handoff_publish_a(a_ready + 1, item);
   }
 }

@@ -57,17 +57,16 @@ inline std::string make_tma_bf16(CUtensorMap* map, const void* base, int rank,
 }
 
 // A map of a bf16 or f32 [T, heads, D] array (per-token rows of heads; f32 unless bf16 is set):
-// boxes of 128 bytes (32 f32 or 64 bf16 columns) x box_rows token rows of one head. Returns "" or
-// why not.
+// boxes of 128 bytes (32 f32 or 64 bf16 columns) x 64 token rows of one head. Returns "" or why
+// not.
 inline std::string make_tma_token_rows(CUtensorMap* map, const void* base, int64_t T,
-                                       int64_t heads, int64_t D, bool bf16 = false,
-                                       uint32_t box_rows = kChunk) {
+                                       int64_t heads, int64_t D, bool bf16 = false) {
   const uint64_t es = bf16 ? 2 : 4;
   const uint64_t dims[3] = {static_cast<uint64_t>(D), static_cast<uint64_t>(heads),
                             static_cast<uint64_t>(T)};
   const uint64_t strides[2] = {static_cast<uint64_t>(D) * es,
                                static_cast<uint64_t>(heads * D) * es};
-  const uint32_t box[3] = {static_cast<uint32_t>(128 / es), 1, box_rows};
+  const uint32_t box[3] = {static_cast<uint32_t>(128 / es), 1, static_cast<uint32_t>(kChunk)};
   return make_tma(map,
                   bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
                   base, 3, dims, strides, box);
@@ -179,21 +178,6 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, const void*
       "cp.async.bulk.commit_group;\n" ::"l"(reinterpret_cast<uint64_t>(map)),
       "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
       : "memory");
-}
-
-// tma_store_3d without its commit: the boxes stored so go out in one bulk group, which
-// bulk_commit_group closes (an empty one where none was stored).
-__device__ __forceinline__ void tma_store_3d_part(const CUtensorMap* map, const void* src, int c0,
-                                                  int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(c0), "r"(c1), "r"(c2), "r"(smem_u32(src))
-      : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit_group() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 
 // tma_store_3d, adding the box to what is in global memory (f32 atomic adds, in no fixed order

@@ -35,11 +35,9 @@ namespace {
 
 // walk_bwd (kTwin = false) and its state-only twin, transfer_bwd (kTwin: in.slots holds each
 // unit's segment, dh0 is per unit, dS_end and dvn are null and not stored).
-// dq_sums, dk_sums (f32[T, H, K], or null): chunk_bwd's group sums, which the walk zeroes
-// (WalkBwdZero) when it runs with a hand-off.
 template <bool kTwin>
 ffi::Error plan_walk(const WalkBwdIn& in, const BF16* dS_end, F32 dh0, const BF16* dvn,
-                     KernelPlan& plan, float* dq_sums = nullptr, float* dk_sums = nullptr) {
+                     KernelPlan& plan) {
   const auto qd = in.q.dimensions();
   const int64_t T = qd[0], H = qd[1], K = qd[2];
   const int64_t HV = in.dout.dimensions()[1], V = in.dout.dimensions()[2];
@@ -71,13 +69,6 @@ ffi::Error plan_walk(const WalkBwdIn& in, const BF16* dS_end, F32 dh0, const BF1
     JCG_CHECK_MAP(make_tma_token_rows(&lm.w, in.w.untyped_data(), T, HV, K, true), "w");
     JCG_CHECK_MAP(make_tma_token_rows(&lm.dout, in.dout.untyped_data(), T, HV, V, true), "do");
   }
-  WalkBwdZero zs{};
-  if (dq_sums != nullptr && T > 0) {
-    JCG_CHECK_MAP(make_tma_token_rows(&zs.dq, dq_sums, T, H, K, false, 32), "dq sums");
-    JCG_CHECK_MAP(make_tma_token_rows(&zs.dk, dk_sums, T, H, K, false, 32), "dk sums");
-    zs.dq_rows = dq_sums;
-    zs.dk_rows = dk_sums;
-  }
   plan.ctas = slots * HV * (V / vt);
   plan.tiles = static_cast<int>(V / vt);
   plan.items = NC * HV;
@@ -106,7 +97,7 @@ ffi::Error plan_walk(const WalkBwdIn& in, const BF16* dS_end, F32 dh0, const BF1
                      in.chunks.len.typed_data(), in.segs.first.typed_data(),
                      in.segs.last.typed_data(), in.segs.len.typed_data(),
                      in.slots.typed_data(), dS_end_data, dS_end_map, dvn_data, dvn_map,
-                     dh0.typed_data(), lm, zs, T, static_cast<int>(H), static_cast<int>(HV),
+                     dh0.typed_data(), lm, T, static_cast<int>(H), static_cast<int>(HV),
                      static_cast<int>(V), static_cast<int>(NC), static_cast<int>(S), in.scale,
                      handoff),
               "walk_bwd_wg_kernel");
@@ -146,9 +137,8 @@ ffi::Error transfer_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
 }  // namespace
 
-ffi::Error plan_walk_bwd(const WalkBwdIn& in, BF16 dS_end, F32 dh0, BF16 dvn, KernelPlan& plan,
-                         float* dq_sums, float* dk_sums) {
-  return plan_walk<false>(in, &dS_end, dh0, &dvn, plan, dq_sums, dk_sums);
+ffi::Error plan_walk_bwd(const WalkBwdIn& in, BF16 dS_end, F32 dh0, BF16 dvn, KernelPlan& plan) {
+  return plan_walk<false>(in, &dS_end, dh0, &dvn, plan);
 }
 
 }  // namespace jax_cake_gdn

@@ -32,8 +32,8 @@
 // Barriers: 0 opens a chunk (all threads); 3 (compute warps) completes Att; 1 + wg (one
 // warpgroup) completes its Sb and Dvn; 4 (producer) its rows.
 // Shared memory (K = V = 128): per buffer Ws, Qs, Ks 16 KB each, dOs and dOg 2 x 8 KB each;
-// Att 8 KB, Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB; 4 mbarriers; a 4 KB zero box (1024-aligned);
-// + 1 KB alignment: 224 KB, 1 CTA per SM.
+// Att 8 KB, Sb 2 x 16 KB, Dvn 2 x 8 KB; rows 2.25 KB; 4 mbarriers; + 1 KB alignment: 219.28 KB,
+// 1 CTA per SM.
 // No staging: the size no longer depends on In.
 // Registers at VT = 128: the CTA (384 threads) launches at 168 a thread; the producer drops to
 // 56, the compute warpgroups rise to 224 (setmaxnreg; 2 x 224 + 56 = 504). VT = 64: 256 threads,
@@ -45,9 +45,6 @@
 // once its dS_end and dvn stores are complete: the compute warpgroups' storing threads wait for
 // chunk c + 1's stores at the end of chunk c, the producer publishes chunk c + 2 after the
 // barrier that opens chunk c (off the compute chain), thread 0 the last two after the loop.
-// With zs (walk_chunk_bwd, GVA, deterministic=False) the producer also zeroes chunk_bwd's f32 group
-// sums of dq, dk, its CTA's share of each chunk's rows before the chunk is published
-// (WalkBwdZero), so no memset of them runs before the walk.
 // kTwin (transfer_bwd, the backward twin of the units' summaries): the CTAs are (unit, head,
 // tile) slots, seg_order maps a slot to its segment (-1: none, dh0 zeros), dh0 is per slot, and
 // neither dS_end nor dvn is stored (Dvn stays a slab for the update).
@@ -80,11 +77,7 @@ struct WalkBwdWgSmem {
   static constexpr size_t oStG = oSG + 2 * kRows * kChunk * sizeof(float);  // producer: G, rq, rk
   // bf16: mbarriers, dO's one a buffer, then q, k and w's one a buffer
   static constexpr size_t oBar = oStG + 3 * kChunk * sizeof(float);
-  // zeros: the source of the producer's TMA stores that zero chunk_bwd's group sums (WalkBwdZero;
-  // one 32 x 32 f32 box, 1024-aligned for the 128-byte swizzle)
-  static constexpr size_t kZero = 32 * 128;
-  static constexpr size_t oZero = (oBar + 4 * sizeof(uint64_t) + 1023) / 1024 * 1024;
-  static constexpr size_t bytes = oZero + kZero + 1024;  // + alignment
+  static constexpr size_t bytes = oBar + 4 * sizeof(uint64_t) + 1024;  // + alignment
   static_assert(bytes <= 227 * 1024, "walk_bwd_wg: shared memory over the sm_90 limit");
 };
 
@@ -150,20 +143,6 @@ struct WalkBwdLoadMaps {
   CUtensorMap q, k, w, dout;
 };
 
-// chunk_bwd's f32 group sums of dq, dk [T, H, K] (walk_chunk_bwd, GVA, deterministic=False): the
-// walk zeroes them a chunk at a time, each CTA of a GVA group (and column tile) its share of the
-// chunk's 32 x 32 boxes (box i of the chunk's K / 8: dq's then dk's, by 32-row half, then by 32
-// columns; share: i % (group x tiles)), before it publishes the chunk (handoff.cuh). A full
-// chunk's boxes go out by TMA stores from a zero box in shared memory, one bulk group a chunk
-// (an empty one for a partial chunk, whose rows < len the producer threads zero by plain
-// stores: a box would reach into the next chunk, which chunk_bwd may be adding to already).
-// rows null: nothing to zero.
-struct WalkBwdZero {
-  CUtensorMap dq, dk;  // 32 x 32 f32 boxes (make_tma_token_rows, 32 rows)
-  float* dq_rows;
-  float* dk_rows;
-};
-
 template <typename In, int K, int VT, bool kTwin>
 __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     walk_bwd_wg_kernel(const In* __restrict__ q, const In* __restrict__ k,
@@ -179,8 +158,8 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
                        const __grid_constant__ CUtensorMap dS_end_map,
                        bf16* __restrict__ dvn, const __grid_constant__ CUtensorMap dvn_map,
                        float* __restrict__ dh0, const __grid_constant__ WalkBwdLoadMaps lm,
-                       const __grid_constant__ WalkBwdZero zs, int64_t num_tokens, int H, int HV,
-                       int V, int NC, int num_segs, float scale, Handoff handoff) {
+                       int64_t num_tokens, int H, int HV, int V, int NC, int num_segs, float scale,
+                       Handoff handoff) {
   static_assert(K == 64 || K == 128, "K = 64 or 128");
   static_assert(VT == 64 || VT == 128, "one or two warpgroups");
   using Sm = WalkBwdWgSmem<K, VT>;
@@ -252,51 +231,6 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
       }
       producer_sync();
     }
-    // zs (only with a hand-off): the zero box, ready for the async proxy (the rest is made per
-    // chunk from the parameters, which live in constant memory: the producer runs at few
-    // registers)
-    auto zero_sums = [&] { return !kTwin && zs.dq_rows != nullptr; };
-    if (zero_sums()) {
-      for (int i = pt; i < static_cast<int>(Sm::kZero / 16); i += kLoaders)
-        reinterpret_cast<uint4*>(smem + Sm::oZero)[i] = make_uint4(0u, 0u, 0u, 0u);
-      fence_proxy_async();
-      producer_sync();
-    }
-    // chunk c's share of the group sums zeroed (one bulk group from thread 0; a partial chunk's
-    // rows by every thread, fenced)
-    auto zero_chunk = [&](int c) {
-      const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
-      constexpr int kBoxes = K / 8, kPerTensor = K / 16, kColBoxes = K / 32;
-      const int z_share = (hv % (HV / H)) * (V / VT) + v0 / VT, z_shares = HV / H * (V / VT);
-      const unsigned char* zbox = smem + Sm::oZero;
-      if (cs.len == kChunk) {
-        if (pt == 0) {
-#pragma unroll 1
-          for (int i = z_share; i < kBoxes; i += z_shares) {
-            const int j = i % kPerTensor;
-            tma_store_3d_part(i < kPerTensor ? &zs.dq : &zs.dk, zbox, 32 * (j % kColBoxes), hk,
-                              static_cast<int>(cs.start) + 32 * (j / kColBoxes));
-          }
-        }
-      } else {
-        // 32 rows x 8 float4 pieces a box: piece p of the box's row p / 8 (two a thread)
-        const int64_t row0 = (cs.start * H + hk) * K;
-#pragma unroll 1
-        for (int i = z_share; i < kBoxes; i += z_shares) {
-          const int j = i % kPerTensor;
-          float* box = (i < kPerTensor ? zs.dq_rows : zs.dk_rows) + row0 + 32 * (j % kColBoxes);
-#pragma unroll 1
-          for (int p = pt; p < 32 * 8; p += kLoaders) {
-            const int t = 32 * (j / kColBoxes) + p / 8;
-            if (t < cs.len)
-              reinterpret_cast<float4*>(box + int64_t{t} * H * K)[p % 8] =
-                  make_float4(0.f, 0.f, 0.f, 0.f);
-          }
-        }
-        __threadfence();
-      }
-      if (pt == 0) bulk_commit_group();
-    };
     auto copy_chunk = [&](int c, int b) {
       const ChunkSpan cs = chunk_span(cstart, clen, c, num_tokens);
       const int len = cs.len;
@@ -325,7 +259,6 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
             tma_load_3d(Ws + j * Sm::kSlab, &lm.w, 64 * j, hv, t0, bars + 2 + b);
           }
         }
-        if (zero_sums()) zero_chunk(c);  // behind the chunk's loads
         cp_async_wait_all();                           // the rows
         mbar_wait(bars + b, ((c_last - c) >> 1) & 1);  // dO: buffer b's (c_last - c) / 2-th use
         // rows past the chunk's end: zero, as cp.async leaves them
@@ -381,20 +314,11 @@ __global__ void __launch_bounds__(walk_bwd_wg_threads<VT>(), 1)
     };
     // chunk c while the compute warps work on chunk c + 1 (the first: before they start)
     for (int c = c_last, b = 0; c >= c_first; --c, b ^= 1) {
-      if constexpr (!kTma)  // f32 (bf16: behind the chunk's TMA loads, in copy_chunk)
-        if (zero_sums()) zero_chunk(c);
       copy_chunk(c, b);
       __syncthreads();  // chunk c's inputs are in; the compute warps are done with chunk c + 1
-      // chunk c + 2's stores completed before the compute warps reached this barrier (and its
-      // zero boxes: its bulk group is the third newest)
-      if (publish && pt == 0 && c + 2 <= c_last) {
-        if (zero_sums()) bulk_stores_complete_but<2>();
-        handoff_publish(handoff, (c + 2) * HV + hv);
-      }
+      // chunk c + 2's stores completed before the compute warps reached this barrier
+      if (publish && pt == 0 && c + 2 <= c_last) handoff_publish(handoff, (c + 2) * HV + hv);
     }
-    // the last two chunks' zero boxes complete before thread 0 publishes them (and before the
-    // zero box goes with the CTA)
-    if (zero_sums() && pt == 0) bulk_stores_complete_but<0>();
     if (publish)
       asm volatile("bar.arrive %0, %1;\n" ::"n"(kHandoffBarrier), "n"(kCompute + kLoaders)
                    : "memory");

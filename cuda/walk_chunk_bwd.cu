@@ -4,13 +4,13 @@
 //   jax_cake_gdn_walk_chunk_bwd(q, k, v, beta, w, G, A, h, v_new, do, dfinal, rstd_q, rstd_k,
 //                               chunk_start, chunk_len, seg_first, seg_last, seg_len,
 //                               seg_order; scale)
-//       -> dS_end, dh0, dvn (walk_bwd's results), dq, dk, dV, dg, dbeta, dQ, dK, counts
-//          (chunk_bwd's, its scratch included), handoff int32[1 + NC HV] (scratch, handoff.cuh)
+//       -> dS_end, dh0, dvn (walk_bwd's results), dQ, dK, dV, dg, dbeta (chunk_bwd's),
+//          handoff int32[1 + NC HV] (scratch, handoff.cuh)
 //
 // chunk_bwd is launched behind the walk with programmatic dependent launch: its CTAs start on
 // the SMs the walk's longest-first schedule leaves idle, last chunk first, each waiting for its
 // item's dS_end and dvn (handoff.cuh). Each item is computed as chunk_bwd computes it alone, so
-// every result is bit for bit the two calls' (dq, dk with sum_groups: up to the order of the
+// every result is bit for bit the two calls' (dQ, dK with sum_groups: up to the order of the
 // atomic adds, as there).
 #include "bwd_plans.cuh"
 
@@ -21,29 +21,23 @@ ffi::Error walk_chunk_bwd(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
                           ffi::AnyBuffer v, F32 beta, BF16 w, F32 G, BF16 A, BF16 h, BF16 v_new,
                           ffi::AnyBuffer dout, F32 dfinal, F32 rstd_q, F32 rstd_k,
                           ChunkTable chunks, SegmentTable segs, S32 seg_order, Scale scale,
-                          Ret<BF16> dS_end, Ret<F32> dh0, Ret<BF16> dvn, Ret<ffi::AnyBuffer> dq,
-                          Ret<ffi::AnyBuffer> dk, Ret<ffi::AnyBuffer> dV, Ret<F32> dg,
-                          Ret<F32> dbeta, Ret<F32> dQ, Ret<F32> dK, Ret<S32> counts,
+                          Ret<BF16> dS_end, Ret<F32> dh0, Ret<BF16> dvn, Ret<F32> dQ,
+                          Ret<F32> dK, Ret<ffi::AnyBuffer> dV, Ret<F32> dg, Ret<F32> dbeta,
                           Ret<S32> handoff) {
   KernelPlan walk, chunk;
-  // GVA with the kernel's own group sums (deterministic=False): the walk zeroes them, a chunk at
-  // a time before it publishes the chunk, and chunk_bwd's items wait for their group's
-  const int64_t H = q.dimensions()[1], HV = v.dimensions()[1];
-  const bool sums_by_walk = dQ->dimensions()[1] == H && H < HV;
   JCG_RETURN_IF_ERROR(plan_walk_bwd(
       {q, k, w, G, dout, dfinal, rstd_q, rstd_k, chunks, segs, seg_order, *scale}, *dS_end, *dh0,
-      *dvn, walk, sums_by_walk ? dQ->typed_data() : nullptr,
-      sums_by_walk ? dK->typed_data() : nullptr));
+      *dvn, walk));
   JCG_RETURN_IF_ERROR(plan_chunk_bwd(
       {q, k, v, beta, G, A, h, v_new, *dS_end, *dvn, dout, rstd_q, rstd_k, chunks, *scale},
-      {*dq, *dk, *dV, *dg, *dbeta, *dQ, *dK, *counts}, chunk, sums_by_walk));
-  // Everything the two kernels need before the walk starts (the hand-off zeroed, chunk_bwd's
-  // outputs poisoned and its counts zeroed): nothing may run between them.
+      {*dQ, *dK, *dV, *dg, *dbeta}, chunk));
+  // Everything the two kernels need before the walk starts (the hand-off zeroed, the atomic
+  // group sums too, by memsets: in the walk's producer the stores lengthened its chain): nothing
+  // may run between them.
   JCG_CHECK_CUDA(cudaMemsetAsync(handoff->untyped_data(), 0, handoff->size_bytes(), stream));
   JCG_RETURN_IF_ERROR(chunk.prepare(stream));
   JCG_RETURN_IF_ERROR(walk.prepare(stream));
-  const Handoff hand{handoff->typed_data(), static_cast<int>(walk.ctas), walk.tiles,
-                     sums_by_walk ? static_cast<int>(HV / H) : 1};
+  const Handoff hand{handoff->typed_data(), static_cast<int>(walk.ctas), walk.tiles};
   JCG_RETURN_IF_ERROR(walk.launch(stream, hand));
   return chunk.launch(stream, hand);
 }

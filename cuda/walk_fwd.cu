@@ -15,12 +15,12 @@
 //       -> o [T, HV, V] (bf16 or f32, the result type chooses), final f32[S, HV, K, V]
 //   jax_cake_gdn_walk_output_tapes(the same) -> o, final, h, v_new, w (replay's, bit for bit)
 //
-//   jax_cake_gdn_solve_a_walk_output(q, k, v, beta, G, h0, chunk_start, chunk_len, seg_first,
-//                                    seg_last, seg_len, seg_order; scale, column_tiles)
-//       -> A, rstd_q, rstd_k (solve_a's: f32[T, H] with the L2 norm, f32[1] without), a_ready
-//          int32[1 + NC HV] (scratch, handoff.cuh), then walk_output's results
-//   jax_cake_gdn_solve_a_walk_output_tapes(the same) -> A, rstd_q, rstd_k, a_ready,
-//                                                      walk_output_tapes' results
+//   jax_cake_gdn_solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, chunk_start,
+//                                    chunk_len, seg_first, seg_last, seg_len, seg_order; scale,
+//                                    column_tiles)
+//       -> A (solve_a's), a_ready int32[1 + NC HV] (scratch, handoff.cuh), then walk_output's
+//          results
+//   jax_cake_gdn_solve_a_walk_output_tapes(the same) -> A, a_ready, walk_output_tapes' results
 //
 //   jax_cake_gdn_replay(k, v, beta, A, G, h0, rstd_k, chunk_start, chunk_len, seg_first,
 //                       seg_last, seg_len, seg_order; column_tiles) -> h, v_new, w bf16[T, HV, K],
@@ -133,15 +133,13 @@ ffi::Error walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 // each, column tiles included) leave (launch_solve_a with a_ready) and the walk behind it, each
 // chunk's A handed over by a flag (handoff.cuh); otherwise one after the other.
 ffi::Error solve_a_walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                               ffi::AnyBuffer v, F32 beta, F32 G, F32 h0, ChunkTable chunks,
-                               SegmentTable segs, S32 seg_order, Scale scale,
-                               ColumnTiles column_tiles, Ret<BF16> A, Ret<F32> rstd_q,
-                               Ret<F32> rstd_k, Ret<S32> a_ready, Ret<ffi::AnyBuffer> o,
-                               Ret<F32> final_state, ffi::RemainingRets tapes) {
+                               ffi::AnyBuffer v, F32 beta, F32 G, F32 h0, F32 rstd_q,
+                               F32 rstd_k, ChunkTable chunks, SegmentTable segs, S32 seg_order,
+                               Scale scale, ColumnTiles column_tiles, Ret<BF16> A,
+                               Ret<S32> a_ready, Ret<ffi::AnyBuffer> o, Ret<F32> final_state,
+                               ffi::RemainingRets tapes) {
   bf16* tape[3] = {nullptr, nullptr, nullptr};
   JCG_RETURN_IF_ERROR(walk_tapes(stream, tapes, tape));
-  SolveARstd rs;
-  JCG_RETURN_IF_ERROR(solve_a_rstd(stream, q, *rstd_q, *rstd_k, rs));
   JCG_CHECK_CUDA(poison_all(stream, *o, *final_state, *A));
   const int64_t chains = segs.count() * beta.dimensions()[1];
   const int tiles = walk_column_tiles(chains, v.dimensions()[2], *column_tiles);
@@ -154,9 +152,9 @@ ffi::Error solve_a_walk_output(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBu
     JCG_CHECK_CUDA(cudaMemsetAsync(flags, 0, a_ready->size_bytes(), stream));
   }
   // nothing may run between the two launches: the walk's early start pairs with solve_a
-  JCG_RETURN_IF_ERROR(launch_solve_a(stream, k, beta, G, rs, chunks, *A, flags,
+  JCG_RETURN_IF_ERROR(launch_solve_a(stream, k, beta, G, rstd_k, chunks, *A, flags,
                                      static_cast<int>(walk_ctas)));
-  return launch_walk_output(stream, q, k, v, beta, *A, G, h0, *rstd_q, *rstd_k, chunks, segs,
+  return launch_walk_output(stream, q, k, v, beta, *A, G, h0, rstd_q, rstd_k, chunks, segs,
                             seg_order, *scale, tiles, *o, *final_state, tape, flags);
 }
 

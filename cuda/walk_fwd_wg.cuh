@@ -58,9 +58,8 @@
 // and A by TMA (tma.cuh; one thread, one mbarrier a buffer), then zeroes the rows past a
 // partial chunk's end (TMA reads on into the next document), as the cp.async zero fill does.
 // With a_ready (walk_fwd.cu: solve_a_walk_output, bf16 inputs) the walk starts while solve_a runs
-// on the SMs it leaves idle: the TMA thread waits for the flags of chunks c.. (kAReadyBatch at a
-// time; A's, and the group's first head's for the rstd rows) and the producer warpgroup
-// synchronises before it loads chunk c.
+// on the SMs it leaves idle: the TMA thread waits for A's flags of chunks c.. (kAReadyBatch at a
+// time) before it loads chunk c.
 // kTapes copies w and u. kOut and kReplay make them from A as prep does (prep.cuh):
 //   A_u = bf16(A diag(beta)),  A_w = bf16(A diag(beta e^G r))   (A bf16 from solve_a / prep)
 //   w = A_w K,  u = A_u V   (m64n64 wgmma blocks, 4 k16 steps from zero, rounded to bf16 into
@@ -326,18 +325,13 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
       }
       producer_sync();
     }
-    // a_ready: before chunk c's A or rstd rows are read, solve_a's flags of this head's chunks
-    // c.. and of its GVA group's first head (whose CTA stores the rstd rows of q and k) (a batch
-    // of kAReadyBatch, one round trip each) unless an earlier batch covered c. One thread (the
-    // TMA's).
+    // a_ready: before chunk c's A is read, solve_a's flags of this head's chunks c.. (a batch of
+    // kAReadyBatch, one round trip) unless an earlier batch covered c. One thread (the TMA's).
     int a_ready_to = c_first - 1;
     [[maybe_unused]] auto wait_a = [&](int c) {
       if (a.a_ready == nullptr || c <= a_ready_to) return;
       const int last = min(c + kAReadyBatch - 1, c_last);
-      const int hv0 = hv - hv % (HV / H);
       handoff_wait_items<kAReadyBatch>(a.a_ready + 1, c * HV + hv, last * HV + hv, HV);
-      if (hv0 != hv)
-        handoff_wait_items<kAReadyBatch>(a.a_ready + 1, c * HV + hv0, last * HV + hv0, HV);
       a_ready_to = last;
     };
     // f32 q or k of a chunk, rounded to bf16 on the way (plain loads; bf16 comes by TMA)
@@ -479,12 +473,6 @@ __global__ void __launch_bounds__(walk_fwd_wg_threads<V>(), (walk_fwd_wg_ctas<M,
       float* r = rows(b);
       if constexpr (kFromA) {  // rows; A (into A_u), v (into the u slabs), q (kOut), k; w, u
         float* rb = r + (kT ? 3 : 2) * kChunk;  // beta's row
-        if constexpr (kOut && kTma) {  // beside solve_a: its rstd rows too, so wait first
-          if (a.a_ready != nullptr) {
-            if (threadIdx.x == kCompute) wait_a(c);
-            producer_sync();
-          }
-        }
         if constexpr (kOut) {
           const RowVector vecs[4] = {{r, a.G, HV, hv},
                                      {r + kChunk, a.rstd, H, hk},

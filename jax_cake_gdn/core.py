@@ -3,14 +3,14 @@
 `gdn_op(cfg, merge, q, k, v, g, beta, h0, tabs)` runs on packed arrays (q, k [T, H, K], v
 [T, HV, V], g, beta [T, HV], h0 [N, HV, K, V]) cut into segments by `tabs` (segments.SegTable).
 
-Forward: gate cumsum, A (with the L2 norm's rstd of q and k, made beside it); without `merge`,
-outside light's VJP, A and the walk come from one primitive (solve_a_walk_output: the cuda one
-overlaps them when few chains leave SMs idle). When `merge` is given (units that take a carry can
-exist), the transfer kernel summarises only the units that need it (M of a unit that takes a carry
-and passes it on, B of a unit that passes one on), `merge` composes the summaries along the units'
-chains into every unit's entry state (locally, or across ranks with a collective), and one
-walk_output runs every segment from its entry state. Without `merge` (no unit can take a carry: one
-device, one unit) this is exactly gdn's kernels.
+Forward: gate cumsum, L2-norm rstd, A; without `merge`, outside light's VJP, A and the walk come
+from one primitive (solve_a_walk_output: the cuda one overlaps them when few chains leave SMs
+idle). When `merge` is given (units that take a carry can exist), the transfer kernel summarises
+only the units that need it (M of a unit that takes a carry and passes it on, B of a unit that
+passes one on), `merge` composes the summaries along the units' chains into every unit's entry
+state (locally, or across ranks with a collective), and one walk_output runs every segment from
+its entry state. Without `merge` (no unit can take a carry: one device, one unit) this is
+exactly gdn's kernels.
 
 Backward: the state walk's tapes (full) or their replay (light); when `merge` is given, the
 transfer's backward twin gives each carry-taking unit the gradient of its entry from what is known
@@ -86,6 +86,8 @@ def forward(cfg: Config, merge: Optional[Callable], q, k, v, g, beta, h0, tabs: 
 def _forward(cfg: Config, merge, q, k, v, g, beta, h0, tabs: SegTable, fuse: bool):
     """forward; fuse: A and the walk from one primitive where no unit takes a carry."""
     P, ct = cfg.prims, tabs.ct
+    rq = P.l2norm_rstd(q) if cfg.qk_l2norm else None
+    rk = P.l2norm_rstd(k) if cfg.qk_l2norm else None
     G = P.gate_cumsum(g, ct)
     if _per_doc(merge, h0, tabs):
         entry = h0
@@ -95,11 +97,10 @@ def _forward(cfg: Config, merge, q, k, v, g, beta, h0, tabs: SegTable, fuse: boo
     full = cfg.save_mode == "full"
     M_u = None
     if merge is None and fuse:  # no unit takes a carry: A and the walk in one primitive
-        A, rq, rk, *out = P.solve_a_walk_output(q, k, v, beta, G, entry, ct,
-                                                l2norm=cfg.qk_l2norm, scale=cfg.scale,
-                                                out_dtype=v.dtype, tapes=full)
+        A, *out = P.solve_a_walk_output(q, k, v, beta, G, entry, rq, rk, ct, scale=cfg.scale,
+                                        out_dtype=v.dtype, tapes=full)
     else:
-        A, rq, rk = P.solve_a(q, k, beta, G, ct, l2norm=cfg.qk_l2norm)
+        A = P.solve_a(k, beta, G, rk, ct)
         if merge is not None:
             m_seg, b_seg, _ = tabs.unit_needs()
             M, B = P.transfer(k, v, beta, G, A, entry, rk, ct, m_seg, b_seg)

@@ -284,7 +284,8 @@ def test_kernel_times_end_to_end(tmp_path):
 
     w = workloads.get("tiny")
     rows = [r[0] for r in kernels.primitive_calls(w, "xla") + kernels.whole_op_calls(w, "xla")]
-    assert rows[:3] == ["fwd: gate_cumsum", "fwd light: solve_a", "fwd light: walk_output"]
+    assert rows[:4] == ["fwd: l2norm_rstd (q or k)", "fwd: gate_cumsum", "fwd light: solve_a",
+                        "fwd light: walk_output"]
     assert {"fwd full: walk_output, tapes", "transfer walk: prep", "bwd: walk_bwd",
             "bwd: chunk_bwd", "bwd light: replay"} <= set(rows)
     assert len(set(rows)) == len(rows)

@@ -165,7 +165,7 @@ def test_lowered_step_has_the_exchange_collective(rng, exchange, collective):
         # the light forward's walk_output is dead code here, o itself is not needed), the units'
         # summaries and their backward twin; never the old transfer walks through prep and
         # state_walk
-        for name in ("gate_cumsum", "solve_a", "transfer", "replay",
+        for name in ("gate_cumsum", "l2norm_rstd", "solve_a", "transfer", "replay",
                      "transfer_bwd", "walk_chunk_bwd"):
             assert f"jax_cake_gdn_{name}" in hlo, name
         for name in ("prep", "state_walk"):

@@ -238,8 +238,9 @@ def _gpu_transfer_check(dtype, K, V, seed):
 
     @jax.jit
     def run(q, k, v, g, beta, h0, do, dfin):
+        rq, rk = X.l2norm_rstd(q), X.l2norm_rstd(k)
         G = X.gate_cumsum(g, ct)
-        A, rq, rk = C.solve_a(q, k, beta, G, ct, l2norm=True)
+        A = C.solve_a(k, beta, G, rk, ct)
         Mc, Bc = C.transfer(k, v, beta, G, A, h0, rk, ct, m_seg, b_seg)
         Mx, Bx = X.transfer(k, v, beta, G, A.astype(jnp.float32), h0, rk, ct, m_seg, b_seg)
         w = C.replay(k, v, beta, G, A, h0, rk, ct)[0]

@@ -116,17 +116,9 @@ def primitive_calls(wl, backend: str, lib=None):
     h0 = jnp.zeros((wl.N, wl.HV, wl.K, wl.V), jnp.float32)
     dfinal = jnp.zeros_like(h0)
     scale = wl.K ** -0.5
+    rq = jax.jit(P.l2norm_rstd)(q) if wl.qk_l2norm else None
+    rk = jax.jit(P.l2norm_rstd)(k) if wl.qk_l2norm else None
     G = jax.jit(P.gate_cumsum)(g, ct)
-    rstd_kernel = hasattr(P, "l2norm_rstd")  # a baseline from before solve_a made the rstd
-    if rstd_kernel:
-        rq = jax.jit(P.l2norm_rstd)(q) if wl.qk_l2norm else None
-        rk = jax.jit(P.l2norm_rstd)(k) if wl.qk_l2norm else None
-        solve_a = ("fwd light: solve_a", jax.jit(P.solve_a), (k, beta, G, rk, ct))
-    else:
-        solve_fn = jax.jit(lambda q, k, beta, G, ct: P.solve_a(q, k, beta, G, ct,
-                                                               l2norm=wl.qk_l2norm))
-        _, rq, rk = solve_fn(q, k, beta, G, ct)
-        solve_a = ("fwd light: solve_a", solve_fn, (q, k, beta, G, ct))
     A, w, u = jax.jit(P.prep)(k, v, beta, G, rk, ct)
     h, vn, _ = jax.jit(P.state_walk)(k, w, u, G, h0, rk, ct)
 
@@ -138,7 +130,7 @@ def primitive_calls(wl, backend: str, lib=None):
             return P.walk_output(q, k, v, beta, A, G, h0, rq, rk, ct, scale=scale,
                                  out_dtype=act)
 
-        light = [solve_a,
+        light = [("fwd light: solve_a", jax.jit(P.solve_a), (k, beta, G, rk, ct)),
                  ("fwd light: walk_output", jax.jit(walk_out),
                   (q, k, v, beta, A, G, h0, rq, rk, ct))]
     else:  # a baseline from before solve_a: prep's w, u into walk_output
@@ -169,7 +161,7 @@ def primitive_calls(wl, backend: str, lib=None):
                            scale=scale, **kw)
 
     calls = []
-    if wl.qk_l2norm and rstd_kernel:
+    if wl.qk_l2norm:
         calls.append(("fwd: l2norm_rstd (q or k)", jax.jit(P.l2norm_rstd), (k,)))
     calls += [
         ("fwd: gate_cumsum", jax.jit(P.gate_cumsum), (g, ct)),

@@ -4,10 +4,8 @@ The custom_vjp rules (gdn.py) and the context-parallel logic (kcp/) are written 
 functions; `xla` implements all of them in jax.numpy, `cuda` replaces them with FFI kernels as
 they land and takes the rest from `xla` (CUDA_KERNELS says which are kernels today).
 
-Forward: gate_cumsum, prep (A, w, u), state_walk (h, v_new, exit states), output (o, scores; xla
-only: the cuda walk_output fuses it); solve_a (prep's A alone, and with the L2 norm the rstd of q's
-and k's rows that every later primitive takes: the cuda one makes them from the rows it loads) and
-walk_output (w, u
+Forward: gate_cumsum, l2norm_rstd, prep (A, w, u), state_walk (h, v_new, exit states), output (o,
+scores; xla only: the cuda walk_output fuses it); solve_a (prep's A alone) and walk_output (w, u
 from A, state_walk and output in one: o and exit states; with tapes=True also w, u, h, v_new as
 replay returns them), which gdn's forward uses (light: without the tapes; full: with them);
 solve_a_walk_output (the two in one call, where no unit takes a carry: the cuda one runs solve_a on
@@ -51,6 +49,7 @@ from . import xla
 class Primitives(NamedTuple):
     name: str
     gate_cumsum: Callable
+    l2norm_rstd: Callable
     prep: Callable
     solve_a: Callable
     state_walk: Callable
@@ -69,9 +68,9 @@ class Primitives(NamedTuple):
 XLA = Primitives("xla", **{name: getattr(xla, name) for name in Primitives._fields[1:]})
 
 # Primitives that run as CUDA kernels under backend="cuda"; the others run the xla versions.
-CUDA_KERNELS = ("gate_cumsum", "prep", "solve_a", "state_walk", "replay", "walk_output",
-                "solve_a_walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd", "nan_unless",
-                "transfer", "transfer_bwd")
+CUDA_KERNELS = ("gate_cumsum", "l2norm_rstd", "prep", "solve_a", "state_walk", "replay",
+                "walk_output", "solve_a_walk_output", "walk_bwd", "chunk_bwd", "walk_chunk_bwd",
+                "nan_unless", "transfer", "transfer_bwd")
 BACKENDS = ("xla", "cuda")
 
 

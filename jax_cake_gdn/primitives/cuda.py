@@ -33,6 +33,7 @@ __all__ = [
     "require",
     "target_names",
     "gate_cumsum",
+    "l2norm_rstd",
     "l2norm_bwd",
     "prep",
     "solve_a",
@@ -345,6 +346,15 @@ def _tables(fn: str, ct):
     return _table(fn, ct) + seg + (_i32(fn, "seg_order", ct.seg_order, seg[0].shape[0]),)
 
 
+def l2norm_rstd(x):
+    """x [T, H, K] (bf16/f32) -> 1 / sqrt(sum x^2 + 1e-6), float32 [T, H]. Any K."""
+    x = _qkv("l2norm_rstd", "x", x)
+    T, H, K = x.shape
+    _check(K < 1 << 30, f"l2norm_rstd: K = {K} must be below 2^30")
+    _check(K > 0 or T * H == 0, "l2norm_rstd: K must be positive")
+    return _call("l2norm_rstd", [(x.shape[:2], jnp.float32)], x)[0]
+
+
 def l2norm_bwd(dy, x, rstd):
     """The dq / dk epilogue: dy f32[T, HV, K] per value head -> dx [T, H, K] in x's dtype.
 
@@ -383,31 +393,15 @@ def _k_inputs(fn, k, beta, G, rstd_k, ct, HV=None):
     return k, beta, G, _rstd(fn, "rstd_k", rstd_k, T, H), _table(fn, ct)
 
 
-def _rstd_results(T: int, H: int, l2norm: bool):
-    """solve_a's rstd_q, rstd_k results: f32[T, H] each, or the f32[1] placeholders (no L2 norm)."""
-    shape = (T, H) if l2norm else _ABSENT.shape
-    return [(shape, jnp.float32)] * 2
-
-
-def _rstd_returns(rq, rk, l2norm: bool):
-    return (rq, rk) if l2norm else (None, None)
-
-
-def solve_a(q, k, beta, G, ct, *, l2norm: bool):
+def solve_a(k, beta, G, rstd_k, ct):
     """A bf16[NC, HV, 64, 64] alone: `prep`'s A bit for bit (the same kernel with w and u left
-    out), for the light forward, whose walk makes w and u itself (`walk_output`); with `l2norm`
-    also rstd_q, rstd_k f32[T, H] = 1 / sqrt(sum x^2 + 1e-6) of q's and k's rows (A from the
-    normalised k), which the kernel makes from the rows it loads (the CTA of each GVA group's first
-    value head loads q's too), else None. q, k bf16/f32 [T, H, K]; beta, G f32[T, HV] (HV from
-    beta). Returns (A, rstd_q, rstd_k)."""
+    out), for the light forward, whose walk makes w and u itself (`walk_output`). k bf16/f32
+    [T, H, K]; beta, G f32[T, HV] (HV from beta); rstd_k f32[T, H] or None."""
     fn = "solve_a"
-    q, k = _qk(fn, q, k)
-    k, beta, G, _, tab = _k_inputs(fn, k, beta, G, None, ct)
-    (T, H, _), NC, HV = k.shape, tab[0].shape[0], beta.shape[1]
+    k, beta, G, r, tab = _k_inputs(fn, k, beta, G, rstd_k, ct)
+    NC, HV = tab[0].shape[0], beta.shape[1]
     _below_2_31(fn, ("NC * HV", NC * HV))
-    A, rq, rk = _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16)]
-                      + _rstd_results(T, H, l2norm), q, k, beta, G, *tab)
-    return (A,) + _rstd_returns(rq, rk, l2norm)
+    return _call(fn, [((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16)], k, beta, G, r, *tab)[0]
 
 
 def prep(k, v, beta, G, rstd_k, ct):
@@ -573,26 +567,24 @@ def _walk_output_returns(out, tapes):
     return o, final, w, None, h, v_new  # u stays on chip, as in replay
 
 
-def solve_a_walk_output(q, k, v, beta, G, h0, ct, *, l2norm: bool, scale: float, out_dtype,
+def solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, ct, *, scale: float, out_dtype,
                         tapes: bool = False):
-    """`solve_a` then `walk_output` on its A and rstd in one call: (A, rstd_q, rstd_k) +
-    walk_output's results, each bit for bit what the two calls give. When the walk's CTAs (one per
-    segment and value head) fill at most half the SMs and q, k, v are bf16, solve_a runs on the
-    other SMs and the walk starts behind it (programmatic dependent launch; JAX_CAKE_GDN_PDL=0:
-    after it), waiting for each chunk's A and rstd rows on flags (cuda/handoff.cuh): one long
-    document then pays for solve_a on idle SMs. Inputs as walk_output takes them, without A and
-    the rstd (l2norm says whether to make them)."""
+    """`solve_a` then `walk_output` on its A in one call: (A,) + walk_output's results, each bit
+    for bit what the two calls give. When the walk's CTAs (one per segment and value head) fill
+    at most half the SMs and q, k, v are bf16, solve_a runs on the other SMs and the walk starts
+    behind it (programmatic dependent launch; JAX_CAKE_GDN_PDL=0: after it), waiting for each
+    chunk's A on a flag (cuda/handoff.cuh): one long document then pays for solve_a on idle SMs.
+    Inputs as walk_output takes them, without A."""
     fn = "solve_a_walk_output"
     q, k = _qk(fn, q, k)
-    v, beta, _, G, h0, _, tab = _from_a_inputs(fn, k, v, beta, None, G, h0, None, ct)
+    v, beta, _, G, h0, rk, tab = _from_a_inputs(fn, k, v, beta, None, G, h0, rstd_k, ct)
     (T, H, K), NC, HV, S, V = q.shape, tab[0].shape[0], beta.shape[1], h0.shape[0], v.shape[2]
-    results = ([((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16)] + _rstd_results(T, H, l2norm)
-               + [((1 + NC * HV,), jnp.int32)]  # the flags
+    rq = _rstd(fn, "rstd_q", rstd_q, T, H)
+    results = ([((NC, HV, _CHUNK, _CHUNK), jnp.bfloat16), ((1 + NC * HV,), jnp.int32)]  # A, flags
                + _walk_output_results(T, NC, S, HV, K, V, _out_dtype(fn, out_dtype), tapes))
-    out = _call(fn + ("_tapes" if tapes else ""), results, q, k, v, beta, G, h0, *tab,
+    out = _call(fn + ("_tapes" if tapes else ""), results, q, k, v, beta, G, h0, rq, rk, *tab,
                 scale=np.float32(scale), column_tiles=_column_tiles(fn, V))
-    return ((out[0],) + _rstd_returns(out[1], out[2], l2norm)
-            + _walk_output_returns(out[4:], tapes))
+    return (out[0],) + _walk_output_returns(out[2:], tapes)
 
 
 def transfer(k, v, beta, G, A, h0, rstd_k, ct, m_seg, b_seg):
@@ -712,13 +704,11 @@ def _chunk_bwd_inputs(fn, q, k, v, beta, G, A, h, v_new, do, rstd_q, rstd_k, ct)
     return q, k, v, beta, G, A, h, v_new, do, rq, rk, (cs, cl)
 
 
-def _chunk_bwd_results(T, NC, H, HV, K, V, q_dtype, deterministic):
-    """chunk_bwd's FFI results: dq, dk, dv, dg, dbeta, then its scratch (dQ, dK f32[T, HQ, K],
-    the epilogue's counts int32[NC H])."""
+def _chunk_bwd_results(T, H, HV, K, V, v_dtype, deterministic):  # dQ, dK, dv, dg, dbeta
     f32 = jnp.float32
     HQ = HV if deterministic else H  # the kernel sums the groups when HQ = H < HV
-    return [((T, H, K), q_dtype), ((T, H, K), q_dtype), ((T, HV, V), q_dtype), ((T, HV), f32),
-            ((T, HV), f32), ((T, HQ, K), f32), ((T, HQ, K), f32), ((NC * H,), jnp.int32)]
+    return [((T, HQ, K), f32), ((T, HQ, K), f32), ((T, HV, V), v_dtype), ((T, HV), f32),
+            ((T, HV), f32)]
 
 
 def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd_q, rstd_k, ct,
@@ -735,13 +725,12 @@ def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd
     None. h, v_new, dS_end and dvn enter every product as bf16 operands and e^{G_C}
     sum(dS_end o h) (dg) sums their bf16 values in f32.
     Returns (dq, dk [T, H, K], dv [T, HV, V]) in the dtypes of q, k, v and (dg, dbeta) f32[T, HV].
-    The kernel makes dq, dk w.r.t. the normalised q, k in f32 scratch and the L2-norm backward
-    follows. deterministic=False with H < HV: the kernel adds the value heads of a group into
-    f32[T, H, K] itself (atomic adds in the order the CTAs reach them: dq, dk can differ in the last
-    bits from run to run) and the last CTA of each (chunk, key head) group applies the L2-norm
-    backward to the group's rows; H = HV: the same, deterministic. deterministic=True with H < HV:
-    the kernel writes them per value head (f32[T, HV, K]) and the l2norm_bwd kernel (the same
-    call) sums each GVA group in a fixed order.
+    The kernel gives dq, dk w.r.t. the normalised q, k and `l2norm_bwd` (a second kernel) applies
+    the L2-norm backward. deterministic=True: the kernel writes them per value head (f32[T, HV,
+    K]) and `l2norm_bwd` sums each GVA group in a fixed order. deterministic=False with H < HV:
+    the kernel adds the value heads of a group into f32[T, H, K] itself (atomic adds in the order
+    the CTAs reach them: dq, dk can differ in the last bits from run to run; an f32 hand-off H/HV
+    the size).
     """
     del w, u, scores
     fn = "chunk_bwd"
@@ -750,11 +739,10 @@ def chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, scores, dS_end, dvn, do, rstd
     (T, H, K), (HV, V), NC = q.shape, v.shape[1:], tab[0].shape[0]
     dS_end = _bf16(fn, "dS_end", dS_end, (NC, HV, K, V), "as the cuda walk_bwd returns it")
     dvn = _bf16(fn, "dvn", dvn, (NC, HV, _CHUNK, V), "as the cuda walk_bwd returns it")
-    dq, dk, dv, dg, dbeta = _call(
-        fn, _chunk_bwd_results(T, NC, H, HV, K, V, q.dtype, deterministic),
-        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, *tab,
-        scale=np.float32(scale))[:5]
-    return dq, dk, dv, dg, dbeta
+    dQ, dK, dv, dg, dbeta = _call(
+        fn, _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic),
+        q, k, v, beta, G, A, h, v_new, dS_end, dvn, do, rq, rk, *tab, scale=np.float32(scale))
+    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta
 
 
 def walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do, dfinal, rstd_q, rstd_k, ct, *,
@@ -775,12 +763,12 @@ def walk_chunk_bwd(q, k, v, beta, G, A, w, u, h, v_new, do, dfinal, rstd_q, rstd
                                                          rstd_k, ct)
     (T, H, K), (HV, V), NC, S = q.shape, v.shape[1:], tab[0].shape[0], dfinal.shape[0]
     results = (_walk_bwd_results(NC, S, HV, K, V)
-               + _chunk_bwd_results(T, NC, H, HV, K, V, q.dtype, deterministic)
+               + _chunk_bwd_results(T, H, HV, K, V, v.dtype, deterministic)
                + [((1 + NC * HV,), jnp.int32)])  # the hand-off (scratch)
-    _, dh0, _, dq, dk, dv, dg, dbeta = _call(
+    _, dh0, _, dQ, dK, dv, dg, dbeta, _ = _call(
         fn, results, q, k, v, beta, w, G, A, h, v_new, do, dfinal, rq, rk, *tab,
-        scale=np.float32(scale))[:8]
-    return dq, dk, dv, dg, dbeta, dh0
+        scale=np.float32(scale))
+    return l2norm_bwd(dQ, q, rstd_q), l2norm_bwd(dK, k, rstd_k), dv, dg, dbeta, dh0
 
 
 # ------------------------------------------------------------------------------------------------

@@ -118,16 +118,8 @@ def l2norm_rstd(x):
     return jax.lax.rsqrt(jnp.sum(x * x, axis=-1) + 1e-6)
 
 
-def solve_a(q, k, beta, G, ct: ChunkTable, *, l2norm: bool):
-    """(A, rstd_q, rstd_k): A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1, float32
-    [NC, HV, 64, 64], with k normalised by rstd_k; with `l2norm` rstd_q, rstd_k = l2norm_rstd of
-    q, k, else None (A from the raw k)."""
-    rq, rk = (l2norm_rstd(q), l2norm_rstd(k)) if l2norm else (None, None)
-    return _solve_a(k, beta, G, rk, ct), rq, rk
-
-
-def _solve_a(k, beta, G, rstd_k, ct: ChunkTable):
-    """solve_a's A for a given rstd_k (None: the raw k)."""
+def solve_a(k, beta, G, rstd_k, ct: ChunkTable):
+    """A = (I + strictly_lower(beta_i Gam_ij k_i.k_j))^-1, float32 [NC, HV, 64, 64]."""
     HV = G.shape[1]
     gt = _gates(G, ct)
     Kc = _th(_qk_heads(k, rstd_k, HV), ct)
@@ -141,7 +133,7 @@ def _solve_a(k, beta, G, rstd_k, ct: ChunkTable):
 def prep(k, v, beta, G, rstd_k, ct: ChunkTable):
     """A [NC, HV, 64, 64] (as solve_a), then w [T, HV, K] and u [T, HV, V] from it (as wy),
     all float32."""
-    A = _solve_a(k, beta, G, rstd_k, ct)
+    A = solve_a(k, beta, G, rstd_k, ct)
     w, u = wy(k, v, beta, G, A, rstd_k, ct)
     return A, w, u
 
@@ -224,13 +216,13 @@ def walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scal
     return (o, final, w, u, h, v_new) if tapes else (o, final)
 
 
-def solve_a_walk_output(q, k, v, beta, G, h0, ct: ChunkTable, *, l2norm: bool, scale: float,
+def solve_a_walk_output(q, k, v, beta, G, h0, rstd_q, rstd_k, ct: ChunkTable, *, scale: float,
                         out_dtype, tapes: bool = False):
-    """solve_a, then walk_output on its A and rstd (gdn's forward where no unit takes a carry):
-    (A, rstd_q, rstd_k) first, then walk_output's results."""
-    A, rq, rk = solve_a(q, k, beta, G, ct, l2norm=l2norm)
-    return (A, rq, rk) + walk_output(q, k, v, beta, A, G, h0, rq, rk, ct, scale=scale,
-                                     out_dtype=out_dtype, tapes=tapes)
+    """solve_a, then walk_output on its A (gdn's forward where no unit takes a carry): A first,
+    then walk_output's results."""
+    A = solve_a(k, beta, G, rstd_k, ct)
+    return (A,) + walk_output(q, k, v, beta, A, G, h0, rstd_q, rstd_k, ct, scale=scale,
+                              out_dtype=out_dtype, tapes=tapes)
 
 
 def transfer(k, v, beta, G, A, h0, rstd_k, ct: ChunkTable, m_seg, b_seg):
