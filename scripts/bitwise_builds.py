@@ -1,16 +1,18 @@
 """Bitwise check of the op across two builds (GPU host).
 
-    python scripts/bitwise_builds.py dump OUT.npz      # gdn's results with this build
+    python scripts/bitwise_builds.py dump OUT.npz [--base]    # gdn's results with this build
     python scripts/bitwise_builds.py compare A.npz B.npz
 
-Run `dump` with the build before a kernel change that claims to keep every bit (the same
-roundings and product order) and with the build after it, then `compare`: every array must be
-bitwise equal. Inputs are fixed (seeded): ragged documents (padding rows, partial chunks), GVA,
-L2 norm on and off, bf16 and f32, K, V = 128 and 64; per config the light forward's o and final
-states, and deterministic fwd+bwd gradients in both save modes.
+Run `dump` with the build before a kernel change that claims to keep every bit (the same roundings
+and product order) and with the build after it, then `compare`: every array must be bitwise equal.
+`--base` dumps with the baseline copy that `python -m benchmarks.baseline REV --dest DIR` built
+($JCG_BASELINE=DIR), so one checkout holds both builds. Inputs are fixed (seeded): ragged documents
+(padding rows, partial chunks), GVA, L2 norm on and off, bf16 and f32, K, V = 128 and 64; per config
+the light forward's o and final states, and deterministic fwd+bwd gradients in both save modes.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -25,11 +27,19 @@ CONFIGS = [  # name, H, HV, K, V, dtype, l2norm
 DOCS = [700, 64, 1, 129, 2000, 63]
 
 
-def dump(path):
+def dump(path, base=False):
     import jax
     import jax.numpy as jnp
 
-    from jax_cake_gdn import gdn
+    if base:  # the baseline copy (benchmarks/baseline.py), from the repository root
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from benchmarks.baseline import load
+
+        lib, rev = load()
+        gdn = lib.gdn
+        print(f"baseline {rev}", flush=True)
+    else:
+        from jax_cake_gdn import gdn
 
     out = {}
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(DOCS)]), jnp.int32)
@@ -88,8 +98,8 @@ def compare(a_path, b_path):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "dump":
-        dump(sys.argv[2])
+    if len(sys.argv) in (3, 4) and sys.argv[1] == "dump" and sys.argv[3:] in ([], ["--base"]):
+        dump(sys.argv[2], base=sys.argv[3:] == ["--base"])
     elif len(sys.argv) == 4 and sys.argv[1] == "compare":
         sys.exit(0 if compare(sys.argv[2], sys.argv[3]) else 1)
     else:
